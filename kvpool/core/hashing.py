@@ -1,0 +1,61 @@
+"""Chained block hashes: one identity for a full KV block in every tier and in the simulator.
+
+hash(block i) = H(hash(block i-1) || tokens of block i || extra keys). The first block's
+parent is a seed derived from the namespace (model identity), so two models never share;
+a request's `cache_salt` enters the first block, and by chaining every later one. H is
+BLAKE2b-128 over a fixed little-endian encoding: stable across processes and restarts
+(Python's `hash()` is salted per process) and collision-safe between tenants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+_DIGEST = 16
+
+
+def root_hash(namespace: str = "") -> BlockHash:
+    """The parent of every sequence's first block in `namespace`."""
+    return hashlib.blake2b(b"kvpool-block-v1\x00" + namespace.encode(), digest_size=_DIGEST).digest()
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    arr = array("q", tokens)
+    if arr.itemsize != 8 or array("q", [1]).tobytes()[0] != 1:  # pragma: no cover - big-endian hosts
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """Hash of one full block given its parent's hash and optional extra key bytes."""
+    h = hashlib.blake2b(parent, digest_size=_DIGEST)
+    h.update(_token_bytes(tokens))
+    if extra:
+        h.update(b"\x00extra\x00" + extra)
+    return h.digest()
+
+
+def hash_blocks(
+    tokens: Sequence[int],
+    block_size: int,
+    namespace: str = "",
+    cache_salt: str | None = None,
+    parent: BlockHash | None = None,
+    start_block: int = 0,
+) -> list[BlockHash]:
+    """Hashes of every *full* block of `tokens`, from block `start_block` on.
+
+    `parent` is the hash of block `start_block - 1` (None means the root of `namespace`),
+    which lets a caller extend a sequence's hashes without rehashing its prefix.
+    """
+    if parent is None:
+        parent = root_hash(namespace)
+    out: list[BlockHash] = []
+    salt = cache_salt.encode() if cache_salt else b""
+    for i in range(start_block, len(tokens) // block_size):
+        parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], salt if i == 0 else b"")
+        out.append(parent)
+    return out

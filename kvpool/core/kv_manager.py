@@ -1,0 +1,384 @@
+"""Per-sequence block tables over a BlockPool: PagedAttention's memory manager.
+
+The scheduler asks; this module decides which physical blocks hold which tokens and
+returns the data movements (copy-on-write copies, swap plans) for a driver to perform.
+Contract (see docs/architecture.md):
+- a prompt of L tokens takes ceil(L/B) blocks, a decode token a new block only when the
+  last one is full, so a sequence never wastes more than B-1 slots;
+- `fork` shares every block; the first write into a shared, partially filled last block
+  copies it (one CopyOp), the last holder writes in place;
+- full blocks are registered by chained hash once their KV is computed (`commit`), stay
+  cached after their sequence ends, and are reused from the first block on by later
+  prompts, which always recompute at least their last prompt token;
+- every failed operation raises before changing any state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvpool.core.block_pool import BlockPool, KVEvents
+from kvpool.core.hashing import BlockHash, hash_block, root_hash
+from kvpool.errors import ConfigError, KVStateError, OutOfBlocks, UnknownSequence
+
+CopyOp = tuple[int, int]  # (src block, dst block), device to device
+SwapMap = list[tuple[int, int]]  # (src block, dst block) across device and host
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """What the manager keeps per sequence."""
+
+    blocks: list[int]
+    num_tokens: int
+    cache_salt: str | None
+    hashes: list[BlockHash] = field(default_factory=list)
+    num_registered: int = 0
+    on_host: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixHit:
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries_tokens: int = 0
+    hits_tokens: int = 0
+    queries_blocks: int = 0
+    hits_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class KVUsage:
+    """Where the device's KV slots are at one instant."""
+
+    total_blocks: int
+    block_size: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    token_slots: int
+
+    @property
+    def allocated_slots(self) -> int:
+        return self.used_blocks * self.block_size
+
+    @property
+    def empty_slots(self) -> int:
+        """Allocated but not (yet) holding a token: at most B-1 per sequence."""
+        return self.allocated_slots - self.token_slots
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.total_blocks
+
+    @property
+    def token_fraction_of_allocated(self) -> float:
+        return self.token_slots / self.allocated_slots if self.used_blocks else 1.0
+
+
+class HostBlockPool:
+    """Host-memory slots for swapped-out blocks: a free list and reference counts."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        block_id = self._free.pop()
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def incref(self, block_id: int) -> None:
+        self.ref_counts[block_id] += 1
+
+    def decref(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self._free.append(block_id)
+
+
+class KVCacheManager:
+    """Block tables, prefix reuse, copy-on-write and swap plans for one device pool."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_prefix_caching: bool = True,
+        eviction_policy: str = "lru",
+        num_host_blocks: int = 0,
+        namespace: str = "",
+        record_events: bool = False,
+    ) -> None:
+        if num_host_blocks < 0:
+            raise ConfigError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.pool = BlockPool(num_blocks, block_size, eviction_policy, enable_prefix_caching, record_events)
+        self.host = HostBlockPool(num_host_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.namespace = namespace
+        self._root = root_hash(namespace)
+        self.seqs: dict[int, SeqBlocks] = {}
+        self.stats = PrefixCacheStats()
+        self.num_cow_copies = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def seq(self, seq_id: int) -> SeqBlocks:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise UnknownSequence(f"sequence {seq_id} is not allocated (never allocated, or already freed)") from None
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self.seq(seq_id).blocks
+
+    def prompt_hashes(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, limit: int | None = None
+    ) -> list[BlockHash]:
+        """Chained hashes of the full blocks of `token_ids` (at most `limit` of them)."""
+        B = self.block_size
+        n = len(token_ids) // B if limit is None else min(limit, len(token_ids) // B)
+        out, parent = [], self._root
+        salt = cache_salt.encode() if cache_salt else b""
+        for i in range(n):
+            parent = hash_block(parent, token_ids[i * B : (i + 1) * B], salt if i == 0 else b"")
+            out.append(parent)
+        return out
+
+    def match_prefix(self, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> PrefixHit:
+        """Longest run of cached blocks from block 0, leaving the last prompt token to compute."""
+        if not self.enable_prefix_caching:
+            return PrefixHit((), 0)
+        max_blocks = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)
+        found = []
+        for h in hashes[:max_blocks]:
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return PrefixHit(tuple(found), len(found) * self.block_size)
+
+    def blocks_needed(self, num_tokens: int, hit: PrefixHit) -> int:
+        """New blocks an `allocate` of `num_tokens` with this prefix hit takes from the free pool
+        (cached hit blocks that are evictable leave the free pool too)."""
+        fresh = -(-num_tokens // self.block_size) - len(hit.block_ids)
+        reused_idle = sum(1 for b in hit.block_ids if self.pool.blocks[b].ref_count == 0)
+        return fresh + reused_idle
+
+    def append_blocks_needed(self, seq_id: int, num_new_tokens: int = 1) -> int:
+        seq = self.seq(seq_id)
+        B = self.block_size
+        need = -(-(seq.num_tokens + num_new_tokens) // B) - len(seq.blocks)
+        if seq.num_tokens % B and self.pool.blocks[seq.blocks[-1]].ref_count > 1:
+            need += 1  # copy-on-write of the shared partial last block
+        return need
+
+    def usage(self) -> KVUsage:
+        pool = self.pool
+        free = pool.num_free
+        return KVUsage(
+            total_blocks=pool.num_blocks,
+            block_size=self.block_size,
+            used_blocks=pool.num_blocks - free,
+            free_blocks=free,
+            cached_blocks=pool.num_cached_evictable,
+            token_slots=pool.tokens_in_use,
+        )
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> int:
+        """Give a new sequence slots for all of `token_ids`, reusing the longest cached
+        prefix. Returns the number of tokens whose KV is already there (cached)."""
+        if seq_id in self.seqs:
+            raise KVStateError(f"sequence {seq_id} is already allocated")
+        num_tokens = len(token_ids)
+        if num_tokens == 0:
+            raise KVStateError(f"sequence {seq_id} has no tokens to allocate")
+        if block_hashes is None:
+            block_hashes = self.prompt_hashes(token_ids, cache_salt) if self.enable_prefix_caching else []
+        hit = self.match_prefix(block_hashes, num_tokens)
+        need = self.blocks_needed(num_tokens, hit)
+        if need > self.pool.num_free:
+            raise OutOfBlocks(
+                f"sequence {seq_id} needs {need} KV blocks for {num_tokens} tokens, "
+                f"only {self.pool.num_free} of {self.pool.num_blocks} are free"
+            )
+        for b in hit.block_ids:
+            self.pool.incref(b)
+        fresh = self.pool.allocate(-(-num_tokens // self.block_size) - len(hit.block_ids))
+        blocks = list(hit.block_ids) + fresh
+        B = self.block_size
+        for i, b in enumerate(fresh, start=len(hit.block_ids)):
+            self.pool.add_tokens(b, min(B, num_tokens - i * B))
+        self.seqs[seq_id] = SeqBlocks(
+            blocks, num_tokens, cache_salt, list(block_hashes), num_registered=len(hit.block_ids)
+        )
+        st = self.stats
+        st.queries_tokens += num_tokens
+        st.hits_tokens += hit.num_tokens
+        st.queries_blocks += num_tokens // B
+        st.hits_blocks += len(hit.block_ids)
+        return hit.num_tokens
+
+    def append_slots(self, seq_id: int, num_new_tokens: int = 1) -> list[CopyOp]:
+        """Reserve slots for `num_new_tokens` more tokens; returns the copies to perform
+        before writing (copy-on-write of a shared partial last block)."""
+        seq = self.seq(seq_id)
+        if seq.on_host:
+            raise KVStateError(f"sequence {seq_id} is swapped out; swap it in first")
+        need = self.append_blocks_needed(seq_id, num_new_tokens)
+        if need > self.pool.num_free:
+            raise OutOfBlocks(f"sequence {seq_id} needs {need} more KV blocks, only {self.pool.num_free} are free")
+        B = self.block_size
+        copies: list[CopyOp] = []
+        fill = seq.num_tokens % B
+        if fill:
+            last = seq.blocks[-1]
+            if self.pool.blocks[last].ref_count > 1:
+                (new,) = self.pool.allocate(1)
+                self.pool.add_tokens(new, fill)
+                self.pool.decref(last)
+                seq.blocks[-1] = new
+                copies.append((last, new))
+                self.num_cow_copies += 1
+            take = min(B - fill, num_new_tokens)
+            self.pool.add_tokens(seq.blocks[-1], take)
+            remaining = num_new_tokens - take
+        else:
+            remaining = num_new_tokens
+        if remaining:
+            fresh = self.pool.allocate(-(-remaining // B))
+            for b in fresh:
+                self.pool.add_tokens(b, min(B, remaining))
+                remaining -= B
+            seq.blocks.extend(fresh)
+        seq.num_tokens += num_new_tokens
+        return copies
+
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """The KV of the first `num_computed_tokens` tokens is written: register the full blocks."""
+        seq = self.seq(seq_id)
+        if not self.enable_prefix_caching:
+            return
+        B = self.block_size
+        full = min(num_computed_tokens, seq.num_tokens) // B
+        hashes = seq.hashes
+        while seq.num_registered < full:
+            i = seq.num_registered
+            if i >= len(hashes):
+                parent = hashes[i - 1] if i else self._root
+                salt = seq.cache_salt.encode() if (i == 0 and seq.cache_salt) else b""
+                hashes.append(hash_block(parent, token_ids[i * B : (i + 1) * B], salt))
+            self.pool.register(seq.blocks[i], hashes[i])
+            seq.num_registered += 1
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (no copy until a write)."""
+        parent = self.seq(parent_id)
+        if child_id in self.seqs:
+            raise KVStateError(f"sequence {child_id} is already allocated")
+        if parent.on_host:
+            raise KVStateError(f"sequence {parent_id} is swapped out; cannot fork it")
+        for b in parent.blocks:
+            self.pool.incref(b)
+        self.seqs[child_id] = SeqBlocks(
+            list(parent.blocks), parent.num_tokens, parent.cache_salt, list(parent.hashes), parent.num_registered
+        )
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's blocks, tail first so the least shareable are evicted first."""
+        seq = self.seq(seq_id)
+        del self.seqs[seq_id]
+        release = self.host.decref if seq.on_host else self.pool.decref
+        for b in reversed(seq.blocks):
+            release(b)
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.evict_all_cached()
+
+    def drain_events(self) -> KVEvents:
+        return self.pool.drain_events()
+
+    # -- swapping --------------------------------------------------------------------------
+    def _unique_blocks(self, seq_ids: Iterable[int], on_host: bool) -> list[int]:
+        seen: dict[int, None] = {}
+        for sid in seq_ids:
+            seq = self.seq(sid)
+            if seq.on_host != on_host:
+                where = "host" if seq.on_host else "device"
+                raise KVStateError(f"sequence {sid} is already on the {where}")
+            seen.update(dict.fromkeys(seq.blocks))
+        return list(seen)
+
+    def can_swap_out(self, seq_ids: Iterable[int]) -> bool:
+        return len(self._unique_blocks(seq_ids, on_host=False)) <= self.host.num_free
+
+    def can_swap_in(self, seq_ids: Iterable[int]) -> bool:
+        return len(self._unique_blocks(seq_ids, on_host=True)) <= self.pool.num_free
+
+    def swap_out(self, seq_ids: Sequence[int]) -> SwapMap:
+        """Move a whole group to host slots, each shared block once; all or nothing."""
+        unique = self._unique_blocks(seq_ids, on_host=False)
+        if len(unique) > self.host.num_free:
+            raise OutOfBlocks(f"swap-out needs {len(unique)} host blocks, only {self.host.num_free} are free")
+        mapping: dict[int, int] = {}
+        for sid in seq_ids:
+            seq = self.seqs[sid]
+            for b in seq.blocks:
+                if b in mapping:
+                    self.host.incref(mapping[b])
+                else:
+                    mapping[b] = self.host.allocate()
+            for b in reversed(seq.blocks):
+                self.pool.decref(b)
+            seq.blocks = [mapping[b] for b in seq.blocks]
+            seq.on_host = True
+        return list(mapping.items())
+
+    def swap_in(self, seq_ids: Sequence[int]) -> SwapMap:
+        """Bring a swapped group back to fresh device blocks; all or nothing."""
+        unique = self._unique_blocks(seq_ids, on_host=True)
+        if len(unique) > self.pool.num_free:
+            raise OutOfBlocks(f"swap-in needs {len(unique)} KV blocks, only {self.pool.num_free} are free")
+        fresh = iter(self.pool.allocate(len(unique)))
+        mapping: dict[int, int] = {}
+        B = self.block_size
+        for sid in seq_ids:
+            seq = self.seqs[sid]
+            for i, hb in enumerate(seq.blocks):
+                if hb in mapping:
+                    self.pool.incref(mapping[hb])
+                else:
+                    mapping[hb] = db = next(fresh)
+                    self.pool.add_tokens(db, min(B, seq.num_tokens - i * B))
+                self.host.decref(hb)
+            seq.blocks = [mapping[hb] for hb in seq.blocks]
+            seq.on_host = False
+            for i in range(seq.num_registered):
+                self.pool.register(seq.blocks[i], seq.hashes[i])
+        return list(mapping.items())

@@ -1,0 +1,148 @@
+"""Eviction policies shared by the device block pool, the host/disk tiers and the simulator.
+
+A policy orders the *evictable* keys of one cache. The cache tells it when a key becomes
+evictable (`insert`), is used again while staying evictable (`touch`), stops being evictable
+(`remove`), and asks it for the next victim (`pop_victim`). Every operation is O(1).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Protocol
+
+from kvpool.errors import ConfigError
+
+
+class EvictionPolicy(Protocol):
+    def insert(self, key: Hashable) -> None:
+        """`key` became evictable (counts as one access)."""
+
+    def touch(self, key: Hashable) -> None:
+        """`key` was accessed and stays evictable."""
+
+    def remove(self, key: Hashable) -> None:
+        """`key` is no longer evictable (in use again, or deleted by the cache)."""
+
+    def pop_victim(self) -> Hashable:
+        """Remove and return the key to evict next; KeyError when empty."""
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+
+class LRUPolicy:
+    """Least recently used first. Insert order is recency order, so a cache that inserts a
+    freed sequence's blocks tail-first evicts the tail (least shareable) blocks first."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Hashable) -> None:
+        self._order.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        del self._order[key]
+
+    def pop_victim(self) -> Hashable:
+        if not self._order:
+            raise KeyError("no evictable key")
+        return self._order.popitem(last=False)[0]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class FIFOPolicy(LRUPolicy):
+    """First inserted first out: an access does not refresh a key."""
+
+    def insert(self, key: Hashable) -> None:
+        if key not in self._order:
+            self._order[key] = None
+
+    def touch(self, key: Hashable) -> None:
+        pass
+
+
+class LFUPolicy:
+    """Least frequently used first, least recently used among equals (O(1) LFU buckets).
+
+    A key's count survives `remove` (a block in use is still popular when it is freed
+    again) and is forgotten only when the key is evicted.
+    """
+
+    def __init__(self) -> None:
+        self._count: dict[Hashable, int] = {}
+        self._buckets: dict[int, OrderedDict[Hashable, None]] = {}
+        self._present: dict[Hashable, int] = {}
+        self._min = 0
+
+    def _bucket_add(self, key: Hashable, count: int) -> None:
+        self._buckets.setdefault(count, OrderedDict())[key] = None
+        self._present[key] = count
+        if len(self._present) == 1 or count < self._min:
+            self._min = count
+
+    def _bucket_del(self, key: Hashable) -> None:
+        count = self._present.pop(key)
+        bucket = self._buckets[count]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[count]
+            if count == self._min and self._buckets:
+                self._min = min(self._buckets)
+
+    def insert(self, key: Hashable) -> None:
+        if key in self._present:
+            self.touch(key)
+            return
+        count = self._count.get(key, 0) + 1
+        self._count[key] = count
+        self._bucket_add(key, count)
+
+    def touch(self, key: Hashable) -> None:
+        self._bucket_del(key)
+        self._count[key] += 1
+        self._bucket_add(key, self._count[key])
+
+    def remove(self, key: Hashable) -> None:
+        self._bucket_del(key)
+
+    def pop_victim(self) -> Hashable:
+        if not self._present:
+            raise KeyError("no evictable key")
+        key = next(iter(self._buckets[self._min]))
+        self._bucket_del(key)
+        del self._count[key]
+        return key
+
+    def forget(self, key: Hashable) -> None:
+        """Drop the remembered count of a key that is not evictable now."""
+        if key in self._present:
+            self._bucket_del(key)
+        self._count.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._present
+
+    def __len__(self) -> int:
+        return len(self._present)
+
+
+POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """Build the policy called `name` (lru, lfu or fifo)."""
+    try:
+        return POLICIES[name.lower()]()
+    except KeyError:
+        raise ConfigError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None

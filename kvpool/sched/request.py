@@ -1,0 +1,92 @@
+"""Requests as the scheduler sees them: a group of sequences sharing one prompt."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvpool.core.hashing import BlockHash
+from kvpool.sched.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One token stream. KV exists for token_ids[:num_computed_tokens]."""
+
+    seq_id: int
+    token_ids: list[int]
+    prompt_len: int
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    sample_index: int = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the whole prompt (and, after a recompute, every known token) has KV."""
+        return len(self.token_ids) - self.num_computed_tokens > 1
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """A request: its live sequences (n samples or beams) are scheduled and preempted together."""
+
+    request_id: str
+    seqs: list[Sequence]
+    params: SamplingParams
+    arrival_time: float
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    prompt_hashes: list[BlockHash] | None = None
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled: bool = False
+    forked: bool = False
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        seq = self.seqs[0] if self.seqs else self.finished_seqs[0]
+        return seq.token_ids[: seq.prompt_len]
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return not self.live_seqs
+
+    @property
+    def status(self) -> SeqStatus:
+        live = self.live_seqs
+        return live[0].status if live else SeqStatus.FINISHED

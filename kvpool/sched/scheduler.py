@@ -1,0 +1,363 @@
+"""Iteration-level scheduling over the KV manager: who runs this step, with which tokens.
+
+Pure Python and clock-free: the real engine and the simulator both call `schedule()`,
+carry out the returned plan (copies, swaps, a forward pass or its cost), then report
+back with `update()` and `append_token()`.
+
+Policy, in order, each step:
+1. running groups, oldest first: decode tokens and prefill chunks within the token budget;
+   when a group needs a block and none is free, the latest-arrived running group is
+   preempted whole (swap or recompute) until it fits, so the oldest always progresses;
+2. swapped groups, oldest first, back in when their blocks fit above the watermark;
+3. waiting groups, oldest first (FCFS), admitted while the budget, `max_num_seqs` and the
+   free blocks above the watermark allow; prefix-cache hits skip their tokens.
+No group is admitted or swapped in during a step that preempted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvpool.core.kv_manager import CopyOp, KVCacheManager, SwapMap
+from kvpool.errors import ConfigError, InvalidRequest
+from kvpool.sched.request import FinishReason, SeqStatus, Sequence, SequenceGroup
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "lru"
+    preemption_mode: str = "recompute"
+    num_host_blocks: int = 0
+    watermark: float = 0.01
+    namespace: str = ""
+    record_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """Compute `num_new_tokens` of `seq` from position `start`; `samples` when the step
+    reaches the end of its known tokens and so yields the next token."""
+
+    group: SequenceGroup
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    samples: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[CopyOp] = field(default_factory=list)
+    swap_in: SwapMap = field(default_factory=list)
+    swap_out: SwapMap = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            eviction_policy=config.eviction_policy,
+            num_host_blocks=config.num_host_blocks,
+            namespace=config.namespace,
+            record_events=config.record_kv_events,
+        )
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
+        self.groups: dict[str, SequenceGroup] = {}
+        self._seq_ids = itertools.count()
+        self._watermark_blocks = int(config.watermark * config.num_blocks)
+        self.num_preemptions = 0
+        self.num_swapped_blocks = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def new_sequence(self, prompt_token_ids: list[int]) -> Sequence:
+        return Sequence(next(self._seq_ids), list(prompt_token_ids), len(prompt_token_ids))
+
+    def add_request(self, group: SequenceGroup) -> None:
+        """Queue a group; rejects one that could never fit."""
+        if group.request_id in self.groups:
+            raise InvalidRequest(f"request id {group.request_id!r} is already in use", param="request_id")
+        prompt_len = group.seqs[0].prompt_len
+        if prompt_len == 0:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        total = prompt_len + group.params.max_tokens
+        if total > self.config.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({prompt_len} tokens) + max_tokens ({group.params.max_tokens}) = {total} "
+                f"exceeds the model's context length of {self.config.max_model_len} tokens",
+                param="max_tokens" if prompt_len < self.config.max_model_len else "prompt",
+            )
+        width = group.params.n
+        blocks = width * -(-total // self.config.block_size)
+        if blocks > self.config.num_blocks:
+            raise InvalidRequest(
+                f"request needs up to {blocks} KV blocks but the cache has only {self.config.num_blocks}",
+                param="max_tokens",
+            )
+        self.groups[group.request_id] = group
+        self.waiting.append(group)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Drop a request wherever it is; its blocks are free when this returns."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for seq in group.live_seqs:
+            self.finish_seq(group, seq, FinishReason.ABORT)
+        self._release(group)
+        return group
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(g.live_seqs) for g in self.running)
+
+    # -- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        num_seqs = 0
+        i = 0
+        while i < len(self.running):
+            group = self.running[i]
+            need = self._tokens_wanted(group, budget)
+            if need is None or num_seqs + len(group.live_seqs) > self.config.max_num_seqs:
+                break
+            if not self._reserve_decode_slots(group, out):
+                break  # the group preempted itself: every later one is gone too
+            budget -= self._emit(group, need, out)
+            num_seqs += len(group.live_seqs)
+            i += 1
+        if out.preempted:
+            return out
+        while self.swapped:
+            group = self.swapped[0]
+            seq_ids = [s.seq_id for s in group.live_seqs]
+            need_blocks = len(self.kv._unique_blocks(seq_ids, on_host=True))
+            need_blocks += sum(1 for s in group.live_seqs if s.num_computed_tokens % self.config.block_size == 0)
+            if need_blocks > self.kv.num_free_blocks - self._watermark_blocks:
+                return out
+            need = self._tokens_wanted(group, budget)
+            if need is None or num_seqs + len(group.live_seqs) > self.config.max_num_seqs:
+                return out
+            self.swapped.popleft()
+            out.swap_in.extend(self.kv.swap_in(seq_ids))
+            self.num_swapped_blocks += len(out.swap_in)
+            for seq in group.live_seqs:
+                seq.status = SeqStatus.RUNNING
+            self.running.append(group)
+            self._reserve_decode_slots(group, out)
+            budget -= self._emit(group, need, out)
+            num_seqs += len(group.live_seqs)
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            if num_seqs + len(group.live_seqs) > self.config.max_num_seqs or not self._admit(group):
+                break
+            need = self._tokens_wanted(group, budget)
+            if need is None:
+                self._unadmit(group)
+                break
+            self.waiting.popleft()
+            self.running.append(group)
+            budget -= self._emit(group, need, out)
+            num_seqs += len(group.live_seqs)
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """The step ran: its KV is written. Advance and register the computed blocks."""
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def append_token(self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float = 0.0) -> bool:
+        """Add a sampled token; finish the sequence on EOS, a stop token or max_tokens.
+        Returns True when the sequence finished."""
+        seq.token_ids.append(token_id)
+        seq.cumulative_logprob += logprob
+        params = group.params
+        n_out = seq.num_output_tokens
+        if n_out >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                self.finish_seq(group, seq, FinishReason.STOP, stop_reason=token_id)
+                return True
+            if not params.ignore_eos and token_id in group.eos_token_ids:
+                self.finish_seq(group, seq, FinishReason.STOP)
+                return True
+        if n_out >= params.max_tokens:
+            self.finish_seq(group, seq, FinishReason.LENGTH)
+            return True
+        return False
+
+    def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        """A new sequence sharing every block of `parent` (copy-on-write on its next write)."""
+        child = Sequence(
+            next(self._seq_ids), list(parent.token_ids), parent.prompt_len, parent.num_computed_tokens,
+            parent.status, cumulative_logprob=parent.cumulative_logprob,
+            logprobs=list(parent.logprobs), top_logprobs=list(parent.top_logprobs),
+        )
+        self.kv.fork(parent.seq_id, child.seq_id)
+        group.seqs.append(child)
+        return child
+
+    def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: FinishReason, stop_reason=None) -> None:
+        if seq.is_finished:
+            return
+        if seq.seq_id in self.kv.seqs:
+            self.kv.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def drop_seq(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Remove a sequence from its group entirely (a pruned beam)."""
+        if seq.seq_id in self.kv.seqs:
+            self.kv.free(seq.seq_id)
+        group.seqs.remove(seq)
+
+    def free_finished(self) -> list[SequenceGroup]:
+        """Remove and return the groups whose every sequence has finished."""
+        done = [g for g in self.running if g.is_finished]
+        for g in done:
+            self._release(g)
+        return done
+
+    # -- internals -------------------------------------------------------------------------
+    def _tokens_wanted(self, group: SequenceGroup, budget: int) -> list[int] | None:
+        """Tokens each live sequence computes this step, or None if the group cannot fit."""
+        wanted = []
+        for seq in group.live_seqs:
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            if remaining > 1 and self.config.enable_chunked_prefill:
+                take = min(remaining, budget)
+            else:
+                take = remaining
+            if take <= 0 or take > budget:
+                return None
+            wanted.append(take)
+            budget -= take
+        return wanted
+
+    def _emit(self, group: SequenceGroup, wanted: list[int], out: SchedulerOutput) -> int:
+        group.first_scheduled = True
+        for seq, n in zip(group.live_seqs, wanted, strict=True):
+            start = seq.num_computed_tokens
+            out.scheduled.append(ScheduledSeq(group, seq, start, n, start + n == len(seq.token_ids)))
+        total = sum(wanted)
+        out.num_batched_tokens += total
+        return total
+
+    def _reserve_decode_slots(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Give every live sequence a slot for its newest token, preempting the latest-arrived
+        running groups while blocks are short. False when `group` itself was preempted."""
+        kv = self.kv
+        while True:
+            need = sum(
+                kv.append_blocks_needed(s.seq_id, len(s.token_ids) - kv.seq(s.seq_id).num_tokens)
+                for s in group.live_seqs
+            )
+            if need <= kv.num_free_blocks:
+                break
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is group:
+                return False
+        for s in group.live_seqs:
+            extra = len(s.token_ids) - kv.seq(s.seq_id).num_tokens
+            if extra:
+                out.copies.extend(kv.append_slots(s.seq_id, extra))
+        return True
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        group.num_preemptions += 1
+        out.preempted.append(group)
+        seq_ids = [s.seq_id for s in group.live_seqs]
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
+            out.swap_out.extend(self.kv.swap_out(seq_ids))
+            self.num_swapped_blocks += len(out.swap_out)
+            for s in group.live_seqs:
+                s.status = SeqStatus.SWAPPED
+            self.swapped.append(group)
+            return
+        for s in group.live_seqs:
+            self.kv.free(s.seq_id)
+            s.num_computed_tokens = 0
+            s.status = SeqStatus.WAITING
+        self.waiting.appendleft(group)
+
+    def _admit(self, group: SequenceGroup) -> bool:
+        """Allocate blocks for every live sequence of a waiting group, all or nothing."""
+        kv = self.kv
+        plans = []
+        need = 0
+        for seq in group.live_seqs:
+            hashes = group.prompt_hashes if len(seq.token_ids) == seq.prompt_len else None
+            if hashes is None:
+                hashes = kv.prompt_hashes(seq.token_ids, group.cache_salt) if self.config.enable_prefix_caching else []
+            hit = kv.match_prefix(hashes, len(seq.token_ids))
+            need += kv.blocks_needed(len(seq.token_ids), hit)
+            plans.append((seq, hashes))
+        if need > kv.num_free_blocks - self._watermark_blocks:
+            return False
+        for seq, hashes in plans:
+            cached = kv.allocate(seq.seq_id, seq.token_ids, group.cache_salt, hashes)
+            seq.num_computed_tokens = cached
+            seq.status = SeqStatus.RUNNING
+            if group.num_preemptions == 0:
+                group.num_cached_prompt_tokens = cached
+        return True
+
+    def _unadmit(self, group: SequenceGroup) -> None:
+        for seq in group.live_seqs:
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+
+    def _release(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            if seq.seq_id in self.kv.seqs:
+                self.kv.free(seq.seq_id)
+        self.groups.pop(group.request_id, None)
+        for queue in (self.running, self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
