@@ -1,0 +1,96 @@
+"""Prefill-side choice: a TTFT estimate per prefill instance, and the policies that pick one.
+
+TTFT(p) = queue(p) + prefill(prompt tokens p lacks, on top of those it holds). kv-centric
+also weighs pulling a longer prefix from another holder (or the pool) when that prefix is at
+least `replication_threshold` times the one p holds:
+TTFT_pull(p) = transfer(missing blocks) + queue(p) + prefill(tokens beyond the pulled prefix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvpool.cluster.index import POOL
+from kvpool.cluster.predictor import StepTimePredictor
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOption:
+    """One prefill instance's estimate for one request. `order` is its configured position
+    (the final tie-break, so every choice is deterministic)."""
+
+    instance_id: str
+    order: int
+    queued_tokens: int
+    own_blocks: int
+    ttft: float
+    cached_blocks: int
+    pull_from: str | None = None
+    pull_blocks: int = 0
+
+
+def usable_blocks(blocks: int, prompt_len: int, block_size: int) -> int:
+    """Cached blocks a prefill can reuse: whole blocks, leaving at least the last prompt
+    token to compute (its logits are needed for the first output token)."""
+    return min(blocks, (prompt_len - 1) // block_size)
+
+
+def _best_sources(match: Mapping[str, int], queued: Mapping[str, int]) -> list[tuple[str, int]]:
+    """The two best holders: longest prefix, then the pool (it serves no compute), then the
+    least-queued instance, then by id."""
+    ranked = sorted(
+        match.items(),
+        key=lambda kv: (-kv[1], kv[0] != POOL, queued.get(kv[0], 0), kv[0]),
+    )
+    return ranked[:2]
+
+
+def estimate_options(
+    prompt_len: int,
+    match: Mapping[str, int],
+    candidates: Sequence[tuple[int, str]],
+    queued: Mapping[str, int],
+    predictor: StepTimePredictor,
+    block_size: int,
+    replication_threshold: float | None,
+) -> list[PrefillOption]:
+    """Options for each (order, instance id) candidate. `replication_threshold` None disables
+    pulls (every policy but kv-centric computes only with what an instance holds)."""
+    sources = _best_sources(match, queued) if replication_threshold is not None else []
+    options = []
+    for order, inst in candidates:
+        q = queued.get(inst, 0)
+        queue_s = predictor.prefill_time(q, 0)
+        own = usable_blocks(match.get(inst, 0), prompt_len, block_size)
+        cached = own * block_size
+        ttft = queue_s + predictor.prefill_time(prompt_len - cached, cached)
+        option = PrefillOption(inst, order, q, own, ttft, own)
+        src = next((s for s in sources if s[0] != inst), None)
+        if src is not None:
+            best = usable_blocks(src[1], prompt_len, block_size)
+            if best > own and best >= replication_threshold * own:
+                pulled = best * block_size
+                ttft_pull = (
+                    predictor.transfer_time(best - own)
+                    + queue_s
+                    + predictor.prefill_time(prompt_len - pulled, pulled)
+                )
+                if ttft_pull < ttft:
+                    option = PrefillOption(inst, order, q, own, ttft_pull, best, src[0], best - own)
+        options.append(option)
+    return options
+
+
+def least_load(options: Sequence[PrefillOption]) -> PrefillOption:
+    return min(options, key=lambda o: (o.queued_tokens, o.order))
+
+
+def cache_aware(options: Sequence[PrefillOption]) -> PrefillOption:
+    """Longest prefix held; ties go to the least loaded."""
+    return min(options, key=lambda o: (-o.own_blocks, o.queued_tokens, o.order))
+
+
+def kv_centric(options: Sequence[PrefillOption]) -> PrefillOption:
+    """Smallest estimated TTFT (pulls included); ties go to the least loaded."""
+    return min(options, key=lambda o: (o.ttft, o.queued_tokens, o.order))

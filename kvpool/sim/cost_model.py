@@ -1,0 +1,243 @@
+"""Step-time cost models: what one engine iteration costs, from its shape in numbers only.
+
+The simulator advances its virtual clock by `CostModel.step_time(batch)`; the conductor's
+TTFT/TBT predictor uses the same models. Two kinds: a roofline from presets (for hardware we
+do not have) and a linear model fitted to steps measured on the real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from kvpool.errors import ConfigError
+from kvpool.sim.presets import HardwareSpec, ModelSpec, TensorParallel, get_hardware, get_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One engine iteration: per scheduled sequence its new tokens and context length after
+    the step (parallel lists), plus the block movements the step performs first."""
+
+    new_tokens: list[int]
+    context_lens: list[int]
+    blocks_copied: int = 0  # copy-on-write copies on the device
+    blocks_swapped_in: int = 0
+    blocks_swapped_out: int = 0
+    blocks_from_host: int = 0  # prefix-cache loads from the store tiers
+    blocks_from_disk: int = 0
+    blocks_from_remote: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.new_tokens) != len(self.context_lens):
+            raise ConfigError(
+                f"new_tokens has {len(self.new_tokens)} entries, "
+                f"context_lens {len(self.context_lens)}"
+            )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.new_tokens)
+
+
+class CostModel(Protocol):
+    def step_time(self, batch: StepBatch) -> float:
+        """Seconds the iteration takes, block movements included."""
+        ...
+
+    def kv_transfer_time(self, num_blocks: int) -> float:
+        """Seconds to ship `num_blocks` KV blocks between instances (P/D disaggregation)."""
+        ...
+
+
+@dataclass(slots=True, frozen=True)
+class TransferCosts:
+    """Block movements: bytes over a link plus a fixed latency per block copy (per-block
+    memcpy/RPC launches dominate for small blocks)."""
+
+    block_bytes: float  # bytes of one block on one GPU
+    pcie_bandwidth: float
+    pcie_latency: float
+    disk_bandwidth: float
+    disk_latency: float
+    net_bandwidth: float
+    net_latency: float
+    device_copy_seconds: float  # one on-device block copy
+
+    @classmethod
+    def from_specs(cls, tpar: TensorParallel, block_size: int, mbu: float) -> TransferCosts:
+        hw = tpar.hardware
+        block = tpar.kv_bytes_per_token_per_gpu() * block_size
+        return cls(
+            block_bytes=block,
+            pcie_bandwidth=hw.pcie_bandwidth,
+            pcie_latency=hw.pcie_latency,
+            disk_bandwidth=min(hw.disk_bandwidth, hw.pcie_bandwidth),
+            disk_latency=hw.disk_latency,
+            net_bandwidth=hw.net_bandwidth,
+            net_latency=hw.net_latency,
+            device_copy_seconds=2 * block / (mbu * hw.mem_bandwidth),
+        )
+
+    def movement_time(self, b: StepBatch) -> float:
+        pcie_blocks = b.blocks_swapped_in + b.blocks_swapped_out + b.blocks_from_host
+        t = b.blocks_copied * self.device_copy_seconds
+        t += pcie_blocks * (self.block_bytes / self.pcie_bandwidth + self.pcie_latency)
+        if b.blocks_from_disk:  # disk -> host -> device; the SSD is the bottleneck
+            t += self.disk_latency + b.blocks_from_disk * self.block_bytes / self.disk_bandwidth
+        if b.blocks_from_remote:
+            t += self.transfer_time(b.blocks_from_remote)
+        return t
+
+    def transfer_time(self, num_blocks: int) -> float:
+        """Network transfer of `num_blocks` blocks: one latency, then bandwidth-bound."""
+        if num_blocks <= 0:
+            return 0.0
+        return self.net_latency + num_blocks * self.block_bytes / self.net_bandwidth
+
+
+class RooflineCostModel:
+    """time = max(FLOPs / (mfu * peak), bytes / (mbu * bandwidth)) + all-reduce + overhead.
+
+    FLOPs count 2 * params per new token plus causal attention over the context; bytes
+    count the weights once per step, the KV of every context token read, and the new KV
+    written. All per GPU under tensor parallelism `tp`.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: HardwareSpec,
+        tp: int = 1,
+        block_size: int = 16,
+        mfu: float = 0.5,
+        mbu: float = 0.7,
+        overhead_s: float = 2e-3,
+    ) -> None:
+        if not (0 < mfu <= 1 and 0 < mbu <= 1):
+            raise ConfigError(f"mfu={mfu} and mbu={mbu} must be in (0, 1]")
+        self.model, self.hardware = model, hardware
+        self.tp = TensorParallel(model, hardware, tp)
+        self.mfu, self.mbu, self.overhead_s = mfu, mbu, overhead_s
+        self.transfers = TransferCosts.from_specs(self.tp, block_size, mbu)
+
+    def compute_time(self, new_tokens: list[int], context_lens: list[int]) -> float:
+        if not new_tokens:
+            return 0.0
+        m, tp = self.model, self.tp.tp
+        tokens = sum(new_tokens)
+        flops = 2.0 * m.params * tokens
+        flops += sum(m.attention_flops(n, c) for n, c in zip(new_tokens, context_lens, strict=True))
+        kv = self.tp.kv_bytes_per_token_per_gpu()
+        nbytes = self.tp.weight_bytes_per_gpu() + kv * (sum(context_lens) + tokens)
+        t = max(flops / tp / (self.mfu * self.hardware.peak_flops),
+                nbytes / (self.mbu * self.hardware.mem_bandwidth))
+        return t + self.tp.allreduce_seconds(tokens) + self.overhead_s
+
+    def step_time(self, batch: StepBatch) -> float:
+        return self.compute_time(batch.new_tokens, batch.context_lens) + self.transfers.movement_time(batch)
+
+    def kv_transfer_time(self, num_blocks: int) -> float:
+        return self.transfers.transfer_time(num_blocks)
+
+
+FEATURES = ("intercept", "num_seqs", "new_tokens", "attn_pairs", "context_tokens")
+
+
+def step_features(new_tokens: list[int], context_lens: list[int]) -> list[float]:
+    """The regressors of a step: a fixed overhead, per-sequence work, per-token matmuls
+    (prefill is compute-bound in tokens), causal attention pairs, and KV read by decode."""
+    pairs = sum(n * c - n * (n - 1) // 2 for n, c in zip(new_tokens, context_lens, strict=True))
+    return [1.0, float(len(new_tokens)), float(sum(new_tokens)), float(pairs), float(sum(context_lens))]
+
+
+@dataclass(slots=True, frozen=True)
+class FittedStepModel:
+    """t = coef · step_features; coefficients are non-negative so more work never costs less."""
+
+    coef: tuple[float, ...]
+    rel_rmse: float = 0.0  # relative RMS error on the samples it was fitted to
+
+    def predict(self, new_tokens: list[int], context_lens: list[int]) -> float:
+        if not new_tokens:
+            return 0.0
+        return float(sum(c * x for c, x in zip(self.coef, step_features(new_tokens, context_lens), strict=True)))
+
+    def to_dict(self) -> dict:
+        return {"features": list(FEATURES), "coef": list(self.coef), "rel_rmse": self.rel_rmse}
+
+
+def fit_step_model(samples: list[dict]) -> FittedStepModel:
+    """Least squares over measured steps (profile schema in MeasuredCostModel), weighted by
+    1/seconds so short decode steps count as much as long prefills. Features whose
+    coefficient comes out negative are dropped and the rest refitted (a simple NNLS)."""
+    if len(samples) < 2:
+        raise ConfigError(f"need at least 2 profile samples to fit, got {len(samples)}")
+    x = np.array([step_features(s["new_tokens"], s["context_lens"]) for s in samples])
+    y = np.array([float(s["seconds"]) for s in samples])
+    if (y <= 0).any():
+        raise ConfigError("profile samples must have seconds > 0")
+    w = 1.0 / y
+    active = list(range(x.shape[1]))
+    while True:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all() or len(active) == 1:
+            break
+        active.pop(int(np.argmin(sol)))
+    coef = np.zeros(x.shape[1])
+    coef[active] = np.clip(sol, 0.0, None)
+    rel = float(np.sqrt(np.mean(((x @ coef - y) / y) ** 2)))
+    logger.info("fitted step model coef=%s rel_rmse=%.3f on %d samples", coef, rel, len(samples))
+    return FittedStepModel(tuple(float(c) for c in coef), rel)
+
+
+@dataclass(slots=True)
+class MeasuredCostModel:
+    """Step times from a profile measured on the real engine; block movements from presets.
+
+    Profile (JSON, written by `kvpool bench profile`)::
+
+        {"model": "smollm2-135m", "hardware": "cpu", "block_size": 16,
+         "samples": [{"num_seqs": 2, "new_tokens": [1, 1], "context_lens": [40, 81],
+                      "seconds": 0.031}, ...]}
+
+    `model` and `hardware` name presets (used for KV bytes and link speeds); each sample is
+    one measured step with the per-sequence new tokens and context lengths after the step.
+    """
+
+    fitted: FittedStepModel
+    transfers: TransferCosts
+    source: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_samples(
+        cls, samples: list[dict], model: ModelSpec, hardware: HardwareSpec, block_size: int, tp: int = 1
+    ) -> MeasuredCostModel:
+        tpar = TensorParallel(model, hardware, tp)
+        return cls(fit_step_model(samples), TransferCosts.from_specs(tpar, block_size, 0.7))
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> MeasuredCostModel:
+        profile = json.loads(Path(path).read_text())
+        missing = {"model", "hardware", "block_size", "samples"} - profile.keys()
+        if missing:
+            raise ConfigError(f"profile {path} lacks keys {sorted(missing)}")
+        out = cls.from_samples(
+            profile["samples"], get_model(profile["model"]), get_hardware(profile["hardware"]),
+            int(profile["block_size"]),
+        )
+        out.source = {"path": str(path), "model": profile["model"], "hardware": profile["hardware"]}
+        return out
+
+    def step_time(self, batch: StepBatch) -> float:
+        return self.fitted.predict(batch.new_tokens, batch.context_lens) + self.transfers.movement_time(batch)
+
+    def kv_transfer_time(self, num_blocks: int) -> float:
+        return self.transfers.transfer_time(num_blocks)

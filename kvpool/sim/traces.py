@@ -1,0 +1,100 @@
+"""Mooncake open traces (FAST'25) as simulator requests.
+
+Each line: {"timestamp": ms, "input_length", "output_length", "hash_ids": one id per 512-token
+block}. Hash id h becomes chunk h: 512 deterministic tokens (fewer for the partial last block),
+so equal hash ids give equal tokens and equal chained block hashes at any simulated block size.
+With `scale_lengths` < 1 (a small model) each hash id stands for round(512 * scale) tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpool.core.hashing import BlockHash
+from kvpool.errors import ConfigError
+from kvpool.sim.tokens import BlockHasher, TokenSynth
+from kvpool.sim.workloads import OUTPUT_CHUNK_BASE, SimRequest
+
+logger = logging.getLogger(__name__)
+
+TRACE_BLOCK_TOKENS = 512
+DEFAULT_TRACE_DIR = Path("/work/shared/traces/mooncake")
+TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
+
+
+@dataclass(slots=True, frozen=True)
+class TraceOptions:
+    """How to adapt a trace: first `max_requests`, arrivals divided by `speedup`, lengths
+    multiplied by `scale_lengths`, prompts truncated to `max_prompt_len` tokens (after scaling)."""
+
+    max_requests: int | None = None
+    speedup: float = 1.0
+    scale_lengths: float = 1.0
+    max_prompt_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.speedup <= 0 or not 0 < self.scale_lengths <= 1:
+            raise ConfigError(
+                f"speedup={self.speedup} must be > 0 and scale_lengths={self.scale_lengths} in (0, 1]"
+            )
+        if self.max_prompt_len is not None and self.max_prompt_len < 1:
+            raise ConfigError(f"max_prompt_len={self.max_prompt_len} must be >= 1")
+
+
+def trace_path(name_or_path: str | Path) -> Path:
+    """A trace by short name ('conversation', 'synthetic') or by file path."""
+    if str(name_or_path) in TRACES:
+        return DEFAULT_TRACE_DIR / TRACES[str(name_or_path)]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"trace {name_or_path!r} is neither a file nor one of {sorted(TRACES)}")
+    return path
+
+
+def load_mooncake_trace(name_or_path: str | Path, options: TraceOptions | None = None) -> list[SimRequest]:
+    """Requests of a Mooncake trace, arrival times in seconds from the first request."""
+    opts = options or TraceOptions()
+    chunk_tokens = max(1, round(TRACE_BLOCK_TOKENS * opts.scale_lengths))
+    reqs: list[SimRequest] = []
+    t0: float | None = None
+    with trace_path(name_or_path).open() as f:
+        for i, line in enumerate(f):
+            if opts.max_requests is not None and i >= opts.max_requests:
+                break
+            rec = json.loads(line)
+            t0 = rec["timestamp"] if t0 is None else t0
+            prompt_len = max(1, round(rec["input_length"] * opts.scale_lengths))
+            if opts.max_prompt_len is not None:
+                prompt_len = min(prompt_len, opts.max_prompt_len)
+            ids = rec["hash_ids"][: -(-prompt_len // chunk_tokens)]
+            # If rounding leaves more tokens than ids cover, the last chunk runs longer.
+            last = prompt_len - chunk_tokens * (len(ids) - 1)
+            chunks = tuple((h, chunk_tokens) for h in ids[:-1]) + ((ids[-1], last),)
+            reqs.append(
+                SimRequest(
+                    request_id=f"trace-{i}",
+                    arrival_s=(rec["timestamp"] - t0) / 1000.0 / opts.speedup,
+                    prompt_len=prompt_len,
+                    output_len=max(1, round(rec["output_length"] * opts.scale_lengths)),
+                    chunks=chunks,
+                    output_chunk=OUTPUT_CHUNK_BASE + i,
+                )
+            )
+    logger.info("loaded %d requests from %s", len(reqs), name_or_path)
+    return reqs
+
+
+def block_hashes_for(
+    requests: Sequence[SimRequest],
+    block_size: int,
+    namespace: str = "",
+    synth: TokenSynth | None = None,
+) -> list[list[BlockHash]]:
+    """Chained hashes of every full prompt block of each request, equal to what the KV manager
+    computes from `TokenSynth.tokens(request.chunks)`; shared prefixes are hashed once."""
+    hasher = BlockHasher(block_size, synth or TokenSynth(), namespace)
+    return [hasher.hashes(r.chunks) for r in requests]

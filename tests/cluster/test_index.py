@@ -1,0 +1,83 @@
+"""GlobalKVIndex: prefix_match agrees with a brute-force scan under any event history."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.cluster.index import POOL, GlobalKVIndex
+
+INSTANCES = ["p0", "p1", "d0", POOL]
+HASHES = [bytes([i]) for i in range(8)]
+
+events = st.lists(
+    st.tuples(
+        st.sampled_from(["stored", "evicted", "down"]),
+        st.sampled_from(INSTANCES),
+        st.lists(st.sampled_from(HASHES), max_size=6),
+    ),
+    max_size=40,
+)
+
+
+def _brute_force(held: dict[str, set[bytes]], query: list[bytes]) -> dict[str, int]:
+    out = {}
+    for inst, blocks in held.items():
+        n = 0
+        while n < len(query) and query[n] in blocks:
+            n += 1
+        if n:
+            out[inst] = n
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(events, st.lists(st.sampled_from(HASHES), max_size=8))
+def test_prefix_match_equals_brute_force_after_any_events(history, query):
+    index = GlobalKVIndex()
+    held: dict[str, set[bytes]] = {}
+    for kind, inst, hashes in history:
+        if kind == "stored":
+            index.on_stored(inst, hashes)
+            held.setdefault(inst, set()).update(hashes)
+        elif kind == "evicted":
+            index.on_evicted(inst, hashes)
+            held.get(inst, set()).difference_update(hashes)
+        else:
+            index.on_instance_down(inst)
+            held.pop(inst, None)
+    assert index.prefix_match(query) == _brute_force(held, query)
+    for inst in INSTANCES:
+        assert index.num_blocks(inst) == len(held.get(inst, ()))
+    assert len(index) == len(set().union(*held.values()) if held else set())
+
+
+def test_prefix_match_stops_each_instance_at_its_first_gap():
+    index = GlobalKVIndex()
+    chain = HASHES[:5]
+    index.on_stored("a", chain)
+    index.on_stored("b", chain[:2] + chain[3:])  # misses block 2
+    index.on_stored("c", chain[1:])  # misses block 0: nothing usable
+    assert index.prefix_match(chain) == {"a": 5, "b": 2}
+
+
+def test_instance_down_forgets_only_that_instance():
+    index = GlobalKVIndex()
+    index.on_stored("a", HASHES[:3])
+    index.on_stored(POOL, HASHES[:2])
+    index.on_instance_down("a")
+    assert index.prefix_match(HASHES[:3]) == {POOL: 2}
+    assert index.holders(HASHES[2]) == frozenset()
+    assert index.instances() == [POOL]
+
+
+def test_evicting_unknown_blocks_is_ignored():
+    index = GlobalKVIndex()
+    index.on_evicted("a", HASHES[:2])
+    index.on_stored("a", HASHES[:1])
+    index.on_evicted("a", HASHES[1:3])
+    assert index.prefix_match(HASHES[:2]) == {"a": 1}
+
+
+def test_empty_query_matches_nothing():
+    index = GlobalKVIndex()
+    index.on_stored("a", HASHES)
+    assert index.prefix_match([]) == {}

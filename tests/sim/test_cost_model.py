@@ -1,0 +1,101 @@
+"""Roofline and measured step-time models."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kvpool.errors import ConfigError
+from kvpool.sim.cost_model import (
+    MeasuredCostModel,
+    RooflineCostModel,
+    StepBatch,
+    fit_step_model,
+    step_features,
+)
+from kvpool.sim.presets import get_hardware, get_model
+
+
+@pytest.fixture
+def roofline():
+    return RooflineCostModel(get_model("llama2-13b"), get_hardware("a100-40gb"))
+
+
+def test_roofline_step_time_is_monotone_in_tokens(roofline):
+    times = [roofline.step_time(StepBatch([n], [n])) for n in (1, 16, 128, 512, 2048)]
+    assert times == sorted(times) and times[0] < times[-1]
+
+
+def test_roofline_step_time_is_monotone_in_context(roofline):
+    times = [roofline.step_time(StepBatch([1] * 32, [c] * 32)) for c in (16, 256, 1024, 4096)]
+    assert times == sorted(times) and times[0] < times[-1]
+
+
+def test_roofline_decode_is_bandwidth_bound_and_prefill_compute_bound(roofline):
+    m, hw = get_model("llama2-13b"), get_hardware("a100-40gb")
+    decode = roofline.step_time(StepBatch([1], [10])) - roofline.overhead_s
+    assert decode == pytest.approx(m.weight_bytes() / (0.7 * hw.mem_bandwidth), rel=0.01)
+    prefill = roofline.step_time(StepBatch([2048], [2048])) - roofline.overhead_s
+    assert prefill > 2 * m.params * 2048 / (0.5 * hw.peak_flops)
+
+
+def test_block_movements_add_time(roofline):
+    base = roofline.step_time(StepBatch([1], [100]))
+    for kw in ("blocks_swapped_in", "blocks_copied", "blocks_from_host", "blocks_from_disk",
+               "blocks_from_remote"):
+        assert roofline.step_time(StepBatch([1], [100], **{kw: 10})) > base
+    assert roofline.kv_transfer_time(200) > roofline.kv_transfer_time(100) > 0
+    assert roofline.kv_transfer_time(0) == 0
+
+
+def test_step_batch_rejects_mismatched_lists():
+    with pytest.raises(ConfigError, match="context_lens"):
+        StepBatch([1, 1], [5])
+
+
+def _synthetic_samples(law, n=60, seed=0):
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(n):
+        k = int(rng.integers(1, 9))
+        if rng.random() < 0.5:  # decode step
+            new = [1] * k
+            ctx = rng.integers(10, 2000, k).tolist()
+        else:  # prefill chunks
+            new = rng.integers(16, 512, k).tolist()
+            ctx = [c + int(rng.integers(0, 200)) for c in new]
+        secs = float(np.dot(law, step_features(new, ctx)))
+        samples.append({"num_seqs": k, "new_tokens": new, "context_lens": ctx, "seconds": secs})
+    return samples
+
+
+def test_fit_recovers_known_linear_law_within_one_percent(tmp_path):
+    law = [0.02, 0.001, 5e-5, 2e-9, 1e-6]
+    samples = _synthetic_samples(law)
+    fitted = fit_step_model(samples)
+    assert fitted.coef == pytest.approx(law, rel=0.01)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"model": "smollm2-135m", "hardware": "cpu", "block_size": 16,
+                                "samples": samples}))
+    measured = MeasuredCostModel.from_profile(path)
+    for s in _synthetic_samples(law, n=20, seed=1):
+        predicted = measured.step_time(StepBatch(s["new_tokens"], s["context_lens"]))
+        assert predicted == pytest.approx(s["seconds"], rel=0.01)
+
+
+def test_fit_never_returns_negative_coefficients():
+    law = [0.01, 0.0, 1e-4, 0.0, 0.0]
+    samples = _synthetic_samples(law)
+    rng = np.random.default_rng(3)
+    for s in samples:
+        s["seconds"] *= 1 + 0.05 * rng.standard_normal()
+    fitted = fit_step_model(samples)
+    assert all(c >= 0 for c in fitted.coef)
+    assert fitted.rel_rmse < 0.1
+
+
+def test_profile_missing_keys_is_a_config_error(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"model": "smollm2-135m", "samples": []}))
+    with pytest.raises(ConfigError, match="block_size"):
+        MeasuredCostModel.from_profile(path)

@@ -1,0 +1,73 @@
+"""Synthetic tokens, fast block hashing and the Mooncake trace loader."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.core.hashing import hash_blocks
+from kvpool.errors import ConfigError
+from kvpool.sim.tokens import BlockHasher, TokenSynth
+from kvpool.sim.traces import TraceOptions, block_hashes_for, load_mooncake_trace, trace_path
+
+chunk_lists = st.lists(st.tuples(st.integers(0, 50), st.integers(1, 90)), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunk_lists, st.sampled_from([1, 3, 16, 64]), st.sampled_from([100, 32000, 128256]))
+def test_fast_block_hashes_equal_hash_blocks_on_materialized_tokens(chunks, block_size, vocab):
+    synth = TokenSynth(seed=5, vocab_size=vocab)
+    hasher = BlockHasher(block_size, synth, namespace="m")
+    tokens = synth.tokens(chunks)
+    assert all(0 <= t < vocab for t in tokens)
+    expected = hash_blocks(tokens, block_size, namespace="m")
+    assert hasher.hashes(tuple(chunks)) == expected
+    assert hasher.hashes(tuple(chunks)) == expected  # memoized path agrees
+
+
+def test_shorter_chunk_is_prefix_of_longer_chunk_with_same_id():
+    synth = TokenSynth(seed=1)
+    assert synth.tokens([(7, 100)])[:40] == synth.tokens([(7, 40)])
+    assert synth.tokens([(7, 40)]) != synth.tokens([(8, 40)])
+    assert TokenSynth(seed=2).tokens([(7, 40)]) != synth.tokens([(7, 40)])
+
+
+@pytest.fixture(scope="module")
+def conversation():
+    return load_mooncake_trace("conversation")
+
+
+def test_conversation_trace_has_12031_requests_in_time_order(conversation):
+    assert len(conversation) == 12031
+    assert conversation[0].arrival_s == 0
+    arrivals = [r.arrival_s for r in conversation]
+    assert arrivals == sorted(arrivals)
+    assert all(sum(n for _, n in r.chunks) == r.prompt_len for r in conversation[:500])
+
+
+def test_first_two_trace_requests_share_first_block_hash_only(conversation):
+    first, second = conversation[0], conversation[1]
+    assert first.chunks[0][0] == second.chunks[0][0] == 0
+    h512 = block_hashes_for([first, second], 512)
+    assert h512[0][0] == h512[1][0]
+    assert h512[0][1] != h512[1][1]
+    h16 = block_hashes_for([first, second], 16)
+    assert h16[0][:32] == h16[1][:32] and h16[0][32] != h16[1][32]
+    assert len(h16[0]) == 6758 // 16
+
+
+def test_trace_options_scale_cap_truncate_and_speed_up():
+    opts = TraceOptions(max_requests=50, speedup=10.0, scale_lengths=1 / 32, max_prompt_len=100)
+    reqs = load_mooncake_trace("conversation", opts)
+    full = load_mooncake_trace("conversation", TraceOptions(max_requests=50))
+    assert len(reqs) == 50
+    assert all(r.prompt_len <= 100 and sum(n for _, n in r.chunks) == r.prompt_len for r in reqs)
+    assert reqs[0].chunks[0] == (0, 16)
+    assert reqs[-1].arrival_s == pytest.approx(full[-1].arrival_s / 10)
+    assert reqs[0].output_len == round(full[0].output_len / 32)
+
+
+def test_trace_loader_errors_name_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match="conversation"):
+        trace_path(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match="speedup"):
+        TraceOptions(speedup=0)
