@@ -1,0 +1,87 @@
+"""One interface for every KV tier (host DRAM, local disk, Redis, Mooncake Store).
+
+Tiers move opaque encoded blocks (see format.py) under string keys that the store has
+already namespaced; they never decode. A tier never raises into its caller for I/O
+trouble: a remote pool that is down is a miss and a failed put, counted in its stats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+StoreKey = str
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier; latency sums are seconds measured around each call."""
+
+    name: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    puts: int = 0
+    failed_puts: int = 0
+    evictions: int = 0
+    errors: int = 0
+    load_time_s: float = 0.0
+    load_count: int = 0
+    store_time_s: float = 0.0
+    store_count: int = 0
+
+    def snapshot(self) -> TierStats:
+        return dataclasses.replace(self)
+
+    @contextmanager
+    def timed_load(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.load_time_s += time.perf_counter() - start
+            self.load_count += 1
+
+    @contextmanager
+    def timed_store(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.store_time_s += time.perf_counter() - start
+            self.store_count += 1
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A place that holds encoded blocks by key."""
+
+    name: str
+
+    def contains(self, key: StoreKey) -> bool:
+        """Whether `key` is present now (a remote pool that is down answers False)."""
+
+    def lookup(self, keys: list[StoreKey]) -> int:
+        """Length of the longest prefix of `keys` that is present."""
+
+    def get(self, key: StoreKey) -> bytes | None:
+        """The stored value, or None on a miss or an I/O failure."""
+
+    def put(self, key: StoreKey, data: bytes) -> bool:
+        """Store `data` under `key`; False when it did not fit or the pool failed."""
+
+    def delete(self, key: StoreKey) -> None:
+        """Drop `key` if present."""
+
+    def stats(self) -> TierStats:
+        """A snapshot of this tier's counters."""
+
+    def close(self) -> None:
+        """Release connections and files; the tier is unusable afterwards."""

@@ -1,0 +1,43 @@
+"""Block shapes and data shared by the store tests."""
+
+import importlib.util
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvpool.store.format import block_namespace, block_shape
+from kvpool.store.services import LocalService, ServiceError, find_binary
+
+SHAPE = block_shape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
+DTYPE = np.dtype(np.float16)
+NAMESPACE = block_namespace("test-model", "float16", 4, 2, 2, 8)
+
+
+def make_block(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(SHAPE).astype(DTYPE)
+
+
+def _have(binary: str) -> bool:
+    try:
+        find_binary(binary)
+    except ServiceError:
+        return False
+    return True
+
+
+needs_redis = pytest.mark.skipif(not _have("redis-server"),
+                                 reason="redis-server missing: run scripts/install_remote_pools.sh")
+needs_mooncake = pytest.mark.skipif(
+    not _have("mooncake_master") or importlib.util.find_spec("mooncake") is None,
+    reason="mooncake missing: run scripts/install_remote_pools.sh",
+)
+
+
+def serve(service: LocalService) -> Iterator[LocalService]:
+    """Run `service` for the duration of a `for` / `yield from` block, then stop it by pid."""
+    service.start()
+    try:
+        yield service
+    finally:
+        service.stop()

@@ -1,0 +1,92 @@
+import logging
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from store_helpers import DTYPE, NAMESPACE, SHAPE, make_block, needs_redis, serve
+
+from kvpool.core.hashing import hash_blocks
+from kvpool.store.host import HostTier
+from kvpool.store.kv_store import TieredKVStore
+from kvpool.store.remote_redis import RedisTier
+from kvpool.store.services import redis_service
+
+pytestmark = needs_redis
+HASHES = hash_blocks(list(range(40)), block_size=4, namespace="redis-test")
+
+
+def url(service) -> str:
+    return f"redis://127.0.0.1:{service.port}/0"
+
+
+def test_put_get_lookup_round_trip(redis_server):
+    tier = RedisTier(url(redis_server))
+    assert tier.put("rt:a", b"alpha") and tier.put("rt:b", b"beta")
+    assert tier.get("rt:a") == b"alpha" and tier.get("rt:zz") is None
+    assert tier.lookup(["rt:a", "rt:b", "rt:zz", "rt:a"]) == 2
+    tier.delete("rt:a")
+    assert not tier.contains("rt:a")
+    s = tier.stats()
+    assert s.hits == 1 and s.misses == 1 and s.bytes_written == 9 and s.used_bytes > 0
+
+
+def test_concurrent_writers_of_one_block_are_harmless(redis_server):
+    writers = [RedisTier(url(redis_server)) for _ in range(4)]
+    value = b"v" * 50_000
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda t=t: results.append(t.put("race:k", value))) for t in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 4
+    assert writers[0].get("race:k") == value
+    assert sum(w.stats().bytes_written for w in writers) == len(value)  # NX: one write landed
+
+
+def test_store_reads_back_through_redis_in_a_fresh_process_view(redis_server):
+    first = TieredKVStore([HostTier(10**6), RedisTier(url(redis_server))], NAMESPACE, SHAPE, DTYPE)
+    for i, h in enumerate(HASHES[:3]):
+        first.save(h, make_block(i))
+    other = TieredKVStore([HostTier(10**6), RedisTier(url(redis_server))], NAMESPACE, SHAPE, DTYPE)
+    assert other.lookup(HASHES[:4]) == (3, ["redis"] * 3)
+    assert np.array_equal(other.load(HASHES[:3])[2], make_block(2))
+    assert other.lookup(HASHES[:3]) == (3, ["host"] * 3)
+
+
+def test_full_redis_refuses_puts_cleanly(tmp_path):
+    for service in serve(redis_service(maxmemory="3mb", policy="noeviction",
+                                       log_path=Path(tmp_path) / "r.log")):
+        tier = RedisTier(url(service))
+        results = [tier.put(f"full:{i}", b"x" * 200_000) for i in range(40)]
+        assert results[0] and not results[-1]
+        assert tier.stats().failed_puts == results.count(False) > 0
+        assert not tier.health.down
+
+
+def test_killed_server_degrades_to_misses_with_one_warning_then_recovers(tmp_path, caplog):
+    for service in serve(redis_service(log_path=Path(tmp_path) / "r.log")):
+        tier = RedisTier(url(service), timeout_s=0.2, retry_s=0.2)
+        assert tier.put("k:1", b"one")
+        service.stop()
+        with caplog.at_level(logging.WARNING, logger="kvpool.store.health"):
+            for _ in range(5):
+                assert tier.get("k:1") is None
+                assert tier.put("k:2", b"two") is False
+                assert tier.lookup(["k:1"]) == 0
+        warnings = [r for r in caplog.records if "unreachable" in r.message]
+        assert len(warnings) == 1 and tier.stats().errors >= 1
+        service.start()
+        deadline = time.monotonic() + 20
+        while not tier.put("k:3", b"three"):
+            assert time.monotonic() < deadline, "redis tier did not recover"
+            time.sleep(0.1)
+        assert tier.get("k:3") == b"three" and not tier.health.down
+
+
+@pytest.mark.parametrize("bad", ["redis://127.0.0.1:1/0"])
+def test_unreachable_pool_at_start_is_not_an_error(bad):
+    tier = RedisTier(bad, timeout_s=0.2)
+    assert tier.lookup(["a"]) == 0 and tier.put("a", b"x") is False and tier.get("a") is None
