@@ -2,11 +2,12 @@
 
 A policy orders the *evictable* keys of one cache. The cache tells it when a key becomes
 evictable (`insert`), is used again while staying evictable (`touch`), stops being evictable
-(`remove`), and asks it for the next victim (`pop_victim`). Every operation is O(1).
+(`remove`), and asks it for the next victim (`pop_victim`). LRU and LFU are O(1) per operation, FIFO O(log n).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Protocol
@@ -61,15 +62,50 @@ class LRUPolicy:
         return len(self._order)
 
 
-class FIFOPolicy(LRUPolicy):
-    """First inserted first out: an access does not refresh a key."""
+class FIFOPolicy:
+    """First cached first out: a key keeps the position of its first insertion while it goes
+    in and out of use, and an access does not refresh it. O(log n) through a lazy heap."""
+
+    def __init__(self) -> None:
+        self._ticket: dict[Hashable, int] = {}
+        self._present: set[Hashable] = set()
+        self._heap: list[tuple[int, Hashable]] = []
+        self._next = 0
 
     def insert(self, key: Hashable) -> None:
-        if key not in self._order:
-            self._order[key] = None
+        if key in self._present:
+            return
+        if key not in self._ticket:
+            self._ticket[key] = self._next
+            self._next += 1
+        self._present.add(key)
+        heapq.heappush(self._heap, (self._ticket[key], key))
 
     def touch(self, key: Hashable) -> None:
         pass
+
+    def remove(self, key: Hashable) -> None:
+        self._present.remove(key)
+
+    def pop_victim(self) -> Hashable:
+        while self._heap:
+            ticket, key = heapq.heappop(self._heap)
+            if key in self._present and self._ticket.get(key) == ticket:
+                self._present.remove(key)
+                del self._ticket[key]
+                return key
+        raise KeyError("no evictable key")
+
+    def forget(self, key: Hashable) -> None:
+        """Drop the remembered position of a key that is not evictable now."""
+        self._present.discard(key)
+        self._ticket.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._present
+
+    def __len__(self) -> int:
+        return len(self._present)
 
 
 class LFUPolicy:

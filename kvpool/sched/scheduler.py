@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_manager import CopyOp, KVCacheManager, SwapMap
 from kvpool.errors import ConfigError, InvalidRequest
 from kvpool.sched.request import FinishReason, SeqStatus, Sequence, SequenceGroup
@@ -70,12 +73,28 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
+class KVLoad:
+    """Blocks of `seq` to fill from the external KV store before the step: `block_ids[i]`
+    receives the block named `hashes[i]`; they cover tokens [start_block*B, ...)."""
+
+    seq: Sequence
+    start_block: int
+    hashes: list[BlockHash]
+    block_ids: list[int]
+
+
+# How many of the given hashes, from the first, an external KV store holds.
+ExternalLookup = Callable[[Seq[BlockHash]], int]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)
     swap_in: SwapMap = field(default_factory=list)
     swap_out: SwapMap = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
@@ -84,8 +103,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, external_kv: ExternalLookup | None = None) -> None:
         self.config = config
+        self.external_kv = external_kv
         self.kv = KVCacheManager(
             config.num_blocks,
             config.block_size,
@@ -103,6 +123,7 @@ class Scheduler:
         self._watermark_blocks = int(config.watermark * config.num_blocks)
         self.num_preemptions = 0
         self.num_swapped_blocks = 0
+        self.num_external_hit_tokens = 0
 
     # -- requests --------------------------------------------------------------------------
     def new_sequence(self, prompt_token_ids: list[int]) -> Sequence:
@@ -170,8 +191,8 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             seq_ids = [s.seq_id for s in group.live_seqs]
-            need_blocks = len(self.kv._unique_blocks(seq_ids, on_host=True))
-            need_blocks += sum(1 for s in group.live_seqs if s.num_computed_tokens % self.config.block_size == 0)
+            # each sequence's next token takes at most one block (a new one or a CoW copy)
+            need_blocks = len(self.kv._unique_blocks(seq_ids, on_host=True)) + len(seq_ids)
             if need_blocks > self.kv.num_free_blocks - self._watermark_blocks:
                 return out
             need = self._tokens_wanted(group, budget)
@@ -183,16 +204,17 @@ class Scheduler:
             for seq in group.live_seqs:
                 seq.status = SeqStatus.RUNNING
             self.running.append(group)
-            self._reserve_decode_slots(group, out)
+            reserved = self._reserve_decode_slots(group, out, may_preempt=False)
+            assert reserved, "swap-in admitted a group whose next tokens do not fit"
             budget -= self._emit(group, need, out)
             num_seqs += len(group.live_seqs)
         while self.waiting and budget > 0:
             group = self.waiting[0]
-            if num_seqs + len(group.live_seqs) > self.config.max_num_seqs or not self._admit(group):
+            if num_seqs + len(group.live_seqs) > self.config.max_num_seqs or not self._admit(group, out):
                 break
             need = self._tokens_wanted(group, budget)
             if need is None:
-                self._unadmit(group)
+                self._unadmit(group, out)
                 break
             self.waiting.popleft()
             self.running.append(group)
@@ -263,32 +285,41 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------------
     def _tokens_wanted(self, group: SequenceGroup, budget: int) -> list[int] | None:
-        """Tokens each live sequence computes this step, or None if the group cannot fit."""
-        wanted = []
-        for seq in group.live_seqs:
+        """Tokens each live sequence computes this step (0 = sits out), or None if the group
+        cannot run: decode tokens are all or nothing, prefill chunks share what is left."""
+        live = group.live_seqs
+        wanted = [0] * len(live)
+        for i, seq in enumerate(live):
+            if len(seq.token_ids) - seq.num_computed_tokens == 1:
+                wanted[i] = 1
+        budget -= sum(wanted)
+        if budget < 0:
+            return None
+        for i, seq in enumerate(live):
             remaining = len(seq.token_ids) - seq.num_computed_tokens
-            if remaining > 1 and self.config.enable_chunked_prefill:
-                take = min(remaining, budget)
-            else:
-                take = remaining
-            if take <= 0 or take > budget:
-                return None
-            wanted.append(take)
-            budget -= take
-        return wanted
+            if remaining > 1:
+                take = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
+                if take > budget:
+                    return None
+                wanted[i] = take
+                budget -= take
+        return wanted if any(wanted) else None
 
     def _emit(self, group: SequenceGroup, wanted: list[int], out: SchedulerOutput) -> int:
         group.first_scheduled = True
         for seq, n in zip(group.live_seqs, wanted, strict=True):
+            if not n:
+                continue
             start = seq.num_computed_tokens
             out.scheduled.append(ScheduledSeq(group, seq, start, n, start + n == len(seq.token_ids)))
         total = sum(wanted)
         out.num_batched_tokens += total
         return total
 
-    def _reserve_decode_slots(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+    def _reserve_decode_slots(self, group: SequenceGroup, out: SchedulerOutput, may_preempt: bool = True) -> bool:
         """Give every live sequence a slot for its newest token, preempting the latest-arrived
-        running groups while blocks are short. False when `group` itself was preempted."""
+        running groups while blocks are short. False when `group` itself was preempted, or
+        when blocks are short and preempting is not allowed."""
         kv = self.kv
         while True:
             need = sum(
@@ -297,6 +328,8 @@ class Scheduler:
             )
             if need <= kv.num_free_blocks:
                 break
+            if not may_preempt:
+                return False
             victim = self.running.pop()
             self._preempt(victim, out)
             if victim is group:
@@ -325,8 +358,9 @@ class Scheduler:
             s.status = SeqStatus.WAITING
         self.waiting.appendleft(group)
 
-    def _admit(self, group: SequenceGroup) -> bool:
-        """Allocate blocks for every live sequence of a waiting group, all or nothing."""
+    def _admit(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+        """Allocate blocks for every live sequence of a waiting group, all or nothing; blocks
+        beyond the device prefix hit that the external store holds are loaded, not computed."""
         kv = self.kv
         plans = []
         need = 0
@@ -339,15 +373,27 @@ class Scheduler:
             plans.append((seq, hashes))
         if need > kv.num_free_blocks - self._watermark_blocks:
             return False
+        B = self.config.block_size
         for seq, hashes in plans:
             cached = kv.allocate(seq.seq_id, seq.token_ids, group.cache_salt, hashes)
-            seq.num_computed_tokens = cached
+            hit_blocks = cached // B
+            limit = (len(seq.token_ids) - 1) // B
+            external = 0
+            if self.external_kv is not None and hit_blocks < min(limit, len(hashes)):
+                external = self.external_kv(hashes[hit_blocks:limit])
+            if external:
+                table = kv.block_table(seq.seq_id)
+                out.kv_loads.append(KVLoad(seq, hit_blocks, list(hashes[hit_blocks : hit_blocks + external]),
+                                           table[hit_blocks : hit_blocks + external]))
+                self.num_external_hit_tokens += external * B
+            seq.num_computed_tokens = cached + external * B
             seq.status = SeqStatus.RUNNING
             if group.num_preemptions == 0:
-                group.num_cached_prompt_tokens = cached
+                group.num_cached_prompt_tokens = seq.num_computed_tokens
         return True
 
-    def _unadmit(self, group: SequenceGroup) -> None:
+    def _unadmit(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        out.kv_loads = [ld for ld in out.kv_loads if ld.seq not in group.live_seqs]
         for seq in group.live_seqs:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0

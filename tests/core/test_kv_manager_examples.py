@@ -1,12 +1,15 @@
 """Worked examples of the KV manager's contract, small enough to check by hand."""
 
+import subprocess
+import sys
+
 import pytest
 
-from kvpool.core.hashing import hash_blocks, root_hash
+from kvpool.core.hashing import hash_blocks
 from kvpool.core.kv_manager import KVCacheManager
 from kvpool.errors import ConfigError, KVStateError, OutOfBlocks, UnknownSequence
 
-WORDS = "Four score and seven years ago our".split()
+WORDS = ["Four", "score", "and", "seven", "years", "ago", "our"]
 
 
 def test_seven_token_prompt_takes_two_blocks_and_third_only_at_ninth_token():
@@ -50,12 +53,7 @@ def test_changing_one_token_of_block_three_changes_hashes_three_to_five_only():
 
 
 def test_hashes_are_stable_across_processes():
-    # A fixed vector: BLAKE2b-128 over a fixed encoding, independent of PYTHONHASHSEED.
-    assert root_hash("").hex() == root_hash("").hex()
-    assert hash_blocks([1, 2, 3, 4], 4)[0].hex() == "%s" % hash_blocks([1, 2, 3, 4], 4)[0].hex()
-    import subprocess
-    import sys
-
+    # Two fresh interpreters with different PYTHONHASHSEED agree with this one.
     code = "from kvpool.core.hashing import hash_blocks; print(hash_blocks([1,2,3,4], 4, 'm', 's')[0].hex())"
     outs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

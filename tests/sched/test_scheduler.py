@@ -156,3 +156,16 @@ def test_abort_frees_blocks_immediately():
     res = d.run()
     assert list(res) == ["b"]
     assert d.s.kv.num_free_blocks == 64
+
+
+def test_preempted_parallel_group_larger_than_budget_still_finishes():
+    """A recomputed n=4 group whose sequences together exceed the token budget is prefilled
+    over several steps instead of stalling."""
+    d = Driver(num_blocks=80, block_size=16, max_num_batched_tokens=256, max_model_len=2048)
+    d.add("wide", list(range(200)), max_tokens=100, n=4)
+    for i in range(3):
+        d.add(f"other{i}", list(range(300 + i, 500 + i)), max_tokens=100)
+    res = d.run()
+    assert d.s.num_preemptions >= 1
+    assert sorted(res) == ["other0", "other1", "other2", "wide"]
+    assert all(len(x) == 100 for x in res["wide"])

@@ -1,0 +1,278 @@
+"""`kvpool bench serve`: an online-serving benchmark client for any OpenAI-compatible server.
+
+Sends streaming /v1/completions requests with token-id prompts (ignore_eos, so output lengths
+are exact) at Poisson arrivals or a fixed concurrency, and reports throughput, TTFT, TPOT,
+ITL, E2E latency, goodput under SLOs and, against a kvpool server, the prefix-cache hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from kvpool.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_len: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
+
+
+# -- datasets --------------------------------------------------------------------------------
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def random_dataset(args: argparse.Namespace) -> list[BenchRequest]:
+    rng = random.Random(args.seed)
+    return [BenchRequest(_tokens(rng, args.random_input_len, args.vocab_size), args.random_output_len)
+            for _ in range(args.num_prompts)]
+
+
+def prefix_repetition_dataset(args: argparse.Namespace) -> list[BenchRequest]:
+    rng = random.Random(args.seed)
+    prefixes = [_tokens(rng, args.prefix_len, args.vocab_size) for _ in range(args.num_prefixes)]
+    return [BenchRequest(prefixes[i % len(prefixes)] + _tokens(rng, args.suffix_len, args.vocab_size),
+                         args.random_output_len) for i in range(args.num_prompts)]
+
+
+def mooncake_dataset(args: argparse.Namespace) -> list[BenchRequest]:
+    """Token ids per hash id are a pure function of the id, so shared hash ids are shared prefixes."""
+    if not args.mooncake_trace:
+        raise ConfigError("--dataset mooncake needs --mooncake-trace FILE.jsonl")
+    scale = args.mooncake_scale
+    if not 0 < scale <= 1:
+        raise ConfigError(f"--mooncake-scale must be in (0, 1], got {scale}")
+    block = max(1, round(MOONCAKE_BLOCK_TOKENS * scale))
+    out = []
+    with open(args.mooncake_trace) as f:
+        for line in f:
+            if len(out) == args.num_prompts:
+                break
+            rec = json.loads(line)
+            prompt: list[int] = []
+            for h in rec["hash_ids"]:
+                prompt += _tokens(random.Random(h * 1_000_003 + args.seed), block, args.vocab_size)
+            length = max(1, min(len(prompt), round(rec["input_length"] * scale)))
+            out.append(BenchRequest(prompt[:length], max(1, round(rec["output_length"] * scale))))
+    return out
+
+
+DATASETS = {"random": random_dataset, "prefix-repetition": prefix_repetition_dataset, "mooncake": mooncake_dataset}
+
+
+# -- the client ------------------------------------------------------------------------------
+async def send(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest) -> RequestResult:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(False, len(req.prompt))
+    start = time.perf_counter()
+    last = start
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    result.error = str(data["error"])
+                    return result
+                if data.get("usage"):
+                    result.output_len = data["usage"]["completion_tokens"]
+                if data.get("choices") and data["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last, chunks = now, chunks + 1
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.output_len = result.output_len or chunks
+    result.ok = chunks > 0
+    return result
+
+
+async def run(args: argparse.Namespace, requests: list[BenchRequest], model: str) -> tuple[list[RequestResult], float]:
+    url = args.base_url.rstrip("/") + args.endpoint
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    rng = np.random.default_rng(args.seed)
+    bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=args.no_progress)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+    async def one(req: BenchRequest) -> RequestResult:
+        if limit is None:
+            res = await send(client, url, model, req)
+        else:
+            async with limit:
+                res = await send(client, url, model, req)
+        bar.update(1)
+        return res
+
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None), limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for req in requests:
+            tasks.append(asyncio.create_task(one(req)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+# -- reporting -------------------------------------------------------------------------------
+def prefix_counters(base_url: str) -> tuple[float, float] | None:
+    """(queries, hits) in tokens from a kvpool server's /metrics; None for other servers."""
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvpool:prefix_cache_"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+    q, h = values.get("kvpool:prefix_cache_queries_total"), values.get("kvpool:prefix_cache_hits_total")
+    return None if q is None or h is None else (q, h)
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    slos = {}
+    for item in items:
+        key, _, ms = item.partition(":")
+        if key not in ("ttft", "tpot", "e2el") or not ms:
+            raise ConfigError(f"--goodput takes ttft:MS tpot:MS e2el:MS, got {item!r}")
+        slos[key] = float(ms) / 1000
+    return slos
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean_ms": float("nan"), "median_ms": float("nan"), "p99_ms": float("nan")}
+    a = np.asarray(values) * 1000
+    return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[RequestResult], duration: float, slos: dict[str, float],
+              prefix: tuple[float, float] | None) -> dict:
+    ok = [r for r in results if r.ok]
+    good = [r for r in ok if r.ttft <= slos.get("ttft", float("inf"))
+            and (r.tpot or 0.0) <= slos.get("tpot", float("inf")) and r.e2e <= slos.get("e2el", float("inf"))]
+    out_tokens = sum(r.output_len for r in ok)
+    summary = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": sum(r.prompt_len for r in ok), "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "ttft": _stats([r.ttft for r in ok]), "tpot": _stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl": _stats([x for r in ok for x in r.itl]), "e2el": _stats([r.e2e for r in ok]),
+        "goodput": len(good) / duration if slos else None, "slos_s": slos,
+        "prefix_cache_hit_rate": (prefix[1] / prefix[0] if prefix and prefix[0] else None),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    print("=" * 18 + " Serving Benchmark Result " + "=" * 18)
+    rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
+            ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
+            ("Total input tokens", s["total_input_tokens"]), ("Total generated tokens", s["total_output_tokens"]),
+            ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}")]
+    if s["goodput"] is not None:
+        rows.append(("Request goodput (req/s)", f"{s['goodput']:.2f}"))
+    if s["prefix_cache_hit_rate"] is not None:
+        rows.append(("Prefix cache hit rate", f"{s['prefix_cache_hit_rate']:.1%}"))
+    for key, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
+        for stat in ("mean_ms", "median_ms", "p99_ms"):
+            rows.append((f"{stat.split('_')[0].capitalize()} {title} (ms)", f"{s[key][stat]:.2f}"))
+    for name, value in rows:
+        print(f"{name:<40}{value:>20}")
+    for err in s["errors"]:
+        print(f"error: {err}")
+    print("=" * 62)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--base-url", default="http://127.0.0.1:8000")
+    a("--endpoint", default="/v1/completions")
+    a("--model", default=None, help="model id (default: the first of the server's /v1/models)")
+    a("--api-key", default=None)
+    a("--dataset", choices=sorted(DATASETS), default="random")
+    a("--num-prompts", type=int, default=100)
+    a("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
+    a("--max-concurrency", type=int, default=None)
+    a("--random-input-len", type=int, default=128)
+    a("--random-output-len", type=int, default=32, help="output tokens (random and prefix-repetition)")
+    a("--prefix-len", type=int, default=256, help="prefix-repetition: shared prefix tokens")
+    a("--suffix-len", type=int, default=64, help="prefix-repetition: unique suffix tokens")
+    a("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct shared prefixes")
+    a("--mooncake-trace", default=None, help="a Mooncake trace .jsonl")
+    a("--mooncake-scale", type=float, default=0.05, help="scale token lengths by this to fit the model")
+    a("--vocab-size", type=int, default=32000, help="synthetic token ids are drawn below this")
+    a("--goodput", nargs="*", default=[], help="SLOs such as ttft:500 tpot:50 (milliseconds)")
+    a("--seed", type=int, default=0)
+    a("--save-result", default=None, help="write the summary as JSON here")
+    a("--no-progress", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    slos = parse_goodput(args.goodput)
+    requests = DATASETS[args.dataset](args)
+    if not requests:
+        raise ConfigError("the dataset produced no requests")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
+                                    timeout=30).json()["data"][0]["id"]
+    before = prefix_counters(args.base_url)
+    results, duration = asyncio.run(run(args, requests, model))
+    after = prefix_counters(args.base_url)
+    prefix = (after[0] - before[0], after[1] - before[1]) if before and after else None
+    summary = summarize(results, duration, slos, prefix)
+    summary.update({"model": model, "dataset": args.dataset, "num_prompts": len(requests),
+                    "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+                    "per_request": [asdict(r) | {"itl": None} for r in results]})
+    print_summary(summary)
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps(summary, indent=2))
+    return 0 if summary["completed"] else 1

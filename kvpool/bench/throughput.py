@@ -1,0 +1,172 @@
+"""`kvpool bench throughput`: offline batch throughput, modelled on `vllm bench throughput`.
+
+Default workload: 32 requests of random token ids (seed 0), prompt lengths uniform in
+[32, 256], exactly 64 output tokens each (EOS ignored), greedy. Reports tokens/s, the KV
+usage at peak, and the fraction of this CPU's compute limit reached: model FLOPs
+(2 x parameters x processed tokens, LM head included) over elapsed time x the fp32 matmul
+rate measured in the same run. `--peer hf` runs HF transformers' batched generate on the
+same workload in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvpool.engine.config import add_engine_args, engine_config_from_args
+from kvpool.engine.engine import Engine
+from kvpool.sched.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ThroughputResult:
+    system: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    achieved_gflops: float
+    matmul_gflops: float
+    fraction_of_compute_limit: float
+    peak_kv_blocks_used: int | None = None
+    peak_kv_token_fraction_of_allocated: float | None = None
+    mean_token_fraction_of_allocated: float | None = None
+    preemptions: int | None = None
+
+
+def make_workload(num: int, min_in: int, max_in: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(min_in, max_in + 1, size=num)
+    return [rng.integers(0, vocab, size=int(n)).tolist() for n in lens]
+
+
+def measure_matmul_gflops(n: int = 2048, seconds: float = 1.0) -> float:
+    """Best fp32 matmul rate over a short burst: this CPU's compute limit, measured now."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def flops_per_token(engine_or_config) -> int:
+    cfg = engine_or_config
+    emb = cfg.vocab_size * cfg.hidden_size
+    return 2 * (cfg.num_parameters() - emb + (emb if cfg.tie_word_embeddings else 0))
+
+
+def run_kvpool(engine: Engine, prompts: list[list[int]], output_len: int, gflops: float) -> ThroughputResult:
+    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    kv = engine.scheduler.kv
+    peak_used, peak_frac, fracs = 0, 1.0, []
+    start = time.perf_counter()
+    bar = tqdm(total=len(prompts), desc="kvpool", unit="req", leave=False)
+    out_tokens = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                bar.update(1)
+                out_tokens += sum(len(o.token_ids) for o in out.outputs)
+        u = kv.usage()
+        if u.used_blocks:
+            fracs.append(u.token_fraction_of_allocated)
+        if u.used_blocks > peak_used:
+            peak_used, peak_frac = u.used_blocks, u.token_fraction_of_allocated
+    elapsed = time.perf_counter() - start
+    bar.close()
+    prompt_tokens = sum(len(p) for p in prompts)
+    processed = prompt_tokens + out_tokens - len(prompts)
+    achieved = flops_per_token(engine.loaded.config) * processed / elapsed / 1e9
+    return ThroughputResult(
+        "kvpool", len(prompts), prompt_tokens, out_tokens, elapsed, out_tokens / elapsed,
+        (prompt_tokens + out_tokens) / elapsed, achieved, gflops, achieved / gflops,
+        peak_used, peak_frac, float(np.mean(fracs)) if fracs else None, engine.scheduler.num_preemptions,
+    )
+
+
+def run_hf(model_path: str, prompts: list[list[int]], output_len: int, gflops: float, cfg, batch: int = 8):
+    """HF transformers' batched greedy generate on the same workload (left padding)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    pad = 0
+    start = time.perf_counter()
+    out_tokens = 0
+    for i in tqdm(range(0, len(prompts), batch), desc="hf", leave=False):
+        chunk = prompts[i : i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            res = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+        out_tokens += (res.shape[1] - width) * len(chunk)
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(p) for p in prompts)
+    processed = prompt_tokens + out_tokens - len(prompts)
+    achieved = flops_per_token(cfg) * processed / elapsed / 1e9
+    return ThroughputResult(
+        "hf-transformers", len(prompts), prompt_tokens, out_tokens, elapsed, out_tokens / elapsed,
+        (prompt_tokens + out_tokens) / elapsed, achieved, gflops, achieved / gflops,
+    )
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len-min", type=int, default=32)
+    p.add_argument("--input-len-max", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed-workload", type=int, default=0)
+    p.add_argument("--peer", choices=["hf"], default=None, help="also run HF transformers on the same workload")
+    p.add_argument("--hf-batch", type=int, default=8)
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    add_engine_args(p)
+
+
+def _print(r: ThroughputResult) -> None:
+    print(f"{r.system}: {r.requests} requests in {r.elapsed_s:.2f} s | output {r.output_tokens_per_s:.1f} tok/s | "
+          f"total {r.total_tokens_per_s:.1f} tok/s | {r.achieved_gflops:.1f} GFLOP/s = "
+          f"{r.fraction_of_compute_limit:.2f} of the {r.matmul_gflops:.0f} GFLOP/s matmul limit")
+    if r.peak_kv_blocks_used is not None:
+        print(f"  KV at peak: {r.peak_kv_blocks_used} blocks used, {r.peak_kv_token_fraction_of_allocated:.1%} of "
+              f"allocated slots hold tokens (mean over steps {r.mean_token_fraction_of_allocated:.1%}); "
+              f"preemptions {r.preemptions}")
+
+
+def main(args) -> int:
+    engine = Engine(engine_config_from_args(args))
+    prompts = make_workload(args.num_prompts, args.input_len_min, args.input_len_max,
+                            engine.loaded.config.vocab_size, args.seed_workload)
+    gflops = measure_matmul_gflops()
+    print(f"fp32 matmul rate measured now: {gflops:.1f} GFLOP/s; model {flops_per_token(engine.loaded.config) / 1e6:.0f} "
+          f"MFLOP/token; {torch.get_num_threads()} threads")
+    results = [run_kvpool(engine, prompts, args.output_len, gflops)]
+    _print(results[0])
+    if args.peer == "hf":
+        results.append(run_hf(str(engine.loaded.path), prompts, args.output_len, gflops, engine.loaded.config,
+                              args.hf_batch))
+        _print(results[1])
+        print(f"kvpool / hf output throughput: {results[0].output_tokens_per_s / results[1].output_tokens_per_s:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2, sort_keys=True)
+    return 0

@@ -1,0 +1,33 @@
+"""`kvpool bench core | throughput | serve | profile`."""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHES = {
+    "core": "kvpool.bench.core_cli",
+    "throughput": "kvpool.bench.throughput",
+    "serve": "kvpool.bench.serve",
+    "profile": "kvpool.bench.profile",
+}
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="bench", required=True)
+    for name, module in BENCHES.items():
+        sp = sub.add_parser(name)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if not e.name or not e.name.startswith("kvpool"):
+                raise
+            continue
+        mod.add_arguments(sp)
+        sp.set_defaults(_bench_main=mod.main)
+
+
+def main(args) -> int:
+    if not hasattr(args, "_bench_main"):
+        print(f"kvpool bench {args.bench}: not available in this build")
+        return 2
+    return args._bench_main(args)

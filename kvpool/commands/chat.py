@@ -1,0 +1,49 @@
+"""`kvpool chat`: an interactive conversation, streamed token by token."""
+
+from __future__ import annotations
+
+import sys
+
+from kvpool.commands.generate import add_sampling_args, sampling_from_args
+from kvpool.engine.config import add_engine_args, engine_config_from_args
+from kvpool.engine.engine import Engine
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--system", default=None, help="a system prompt")
+    add_sampling_args(p)
+    p.set_defaults(max_tokens=256)
+    add_engine_args(p)
+
+
+def main(args) -> int:
+    engine = Engine(engine_config_from_args(args))
+    params = sampling_from_args(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("kvpool chat — empty line or Ctrl-D to quit; /reset starts over.", file=sys.stderr)
+    while True:
+        try:
+            user = input("you> ").strip()
+        except EOFError:
+            break
+        if not user:
+            break
+        if user == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": user})
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        rid = engine.add_request(engine.tokenizer.encode(prompt, add_special_tokens=False), params)
+        shown = 0
+        text = ""
+        print("assistant> ", end="", flush=True)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                text = out.outputs[0].text
+                print(text[shown:], end="", flush=True)
+                shown = len(text)
+        print()
+        messages.append({"role": "assistant", "content": text})
+    return 0

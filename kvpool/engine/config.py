@@ -1,0 +1,102 @@
+"""Engine configuration: one dataclass, validated here, turned into CLI flags by kvpool.cli."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvpool.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "t": 1000**4, "tb": 1000**4}
+
+
+def parse_bytes(value: str | int | float, what: str, available: int | None = None) -> int:
+    """'2GiB', '512MB', '1048576' -> bytes; a number in (0, 1] is a fraction of `available`."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        text = str(value)
+    else:
+        text = str(value).strip().lower()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text)
+    if not m or m.group(2) not in _UNITS:
+        raise ConfigError(f"{what}: cannot read {value!r} as a size (e.g. 2GiB, 512MB, 0.3)")
+    number = float(m.group(1))
+    if not m.group(2) and 0 < number <= 1 and "." in m.group(1):
+        if available is None:
+            raise ConfigError(f"{what}: a fraction ({value}) needs a known memory size")
+        return int(number * available)
+    return int(number * _UNITS[m.group(2)])
+
+
+def available_host_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("cannot read MemAvailable from /proc/meminfo")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # a .gguf file or an HF directory; None = the bundled SmolLM2
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory: str = "1GiB"  # bytes, or a fraction of free memory
+    num_blocks: int | None = None  # overrides kv_cache_memory (tests, experiments)
+    swap_space: str = "1GiB"  # host KV pool for swap preemption
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context length
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    eviction_policy: str = "lru"
+    preemption_mode: str = "recompute"
+    watermark: float = 0.01
+    seed: int = 0
+    threads: int | None = None
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+_HELP = {
+    "model": "a .gguf file or an HF model directory (default: the bundled SmolLM2-135M-Instruct)",
+    "kv_cache_memory": "KV cache budget: bytes (2GiB, 512MB) or a fraction of free memory (0.3)",
+    "num_blocks": "number of KV blocks (overrides --kv-cache-memory)",
+    "swap_space": "host KV pool for swap preemption (bytes)",
+    "preemption_mode": "recompute | swap",
+    "eviction_policy": "prefix-cache eviction: lru | lfu | fifo",
+    "max_model_len": "context length (default: the model's)",
+    "threads": "torch CPU threads (default: all cores)",
+}
+
+
+def add_engine_args(parser) -> None:
+    """One flag per EngineConfig field, with the dataclass defaults."""
+    import argparse
+    from dataclasses import MISSING, fields
+
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
+            continue
+        typ = {int: int, float: float}.get(type(default), str)
+        if f.name in ("num_blocks", "max_model_len", "threads"):
+            typ = int
+        group.add_argument(flag, type=typ, default=default, help=_HELP.get(f.name))
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    from dataclasses import fields
+
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

@@ -1,0 +1,73 @@
+"""Offline API: `LLM().generate(prompts, params)` and `LLM().chat(messages)`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.engine import Engine
+from kvpool.engine.outputs import RequestOutput
+from kvpool.sched.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Runs a batch of prompts to completion through the engine's continuous batching."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = Engine(config)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A single string or token list is one prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per, strict=True)]
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        token_prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_prompts, params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, leave=False)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

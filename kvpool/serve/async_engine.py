@@ -1,0 +1,270 @@
+"""The synchronous engine behind an asyncio front: one thread owns the engine.
+
+The HTTP side never touches the engine directly. It sends commands through a thread-safe
+queue; the engine thread applies them between steps and hands cumulative outputs back to
+per-request asyncio queues with `call_soon_threadsafe`. When nothing is unfinished the
+thread sleeps on the command queue, so an idle server costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.engine.outputs import RequestOutput
+from kvpool.errors import KVPoolError, Overloaded
+from kvpool.sched.sampling_params import SamplingParams
+from kvpool.serve.errors import ShuttingDown
+from kvpool.serve.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Add:
+    """Queue several engine requests at once (one per prompt), all or none."""
+
+    request_ids: list[str]
+    prompts: list[list[int]]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None
+    sink: asyncio.Queue
+    accepted: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread and resolve `done` with its result."""
+
+    fn: Callable[[Any], Any]
+    done: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Stop:
+    pass
+
+
+@dataclass(slots=True)
+class _Route:
+    sink: asyncio.Queue
+    index: int
+
+
+@dataclass(slots=True)
+class AsyncEngine:
+    engine: Any  # kvpool.engine.engine.Engine; typed loosely so this module imports without torch
+    metrics: ServerMetrics
+    max_queue: int | None = None
+    retry_after_s: float = 1.0
+    _commands: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _routes: dict[str, _Route] = field(default_factory=dict)  # engine thread only
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _draining: bool = False
+    _ids: int = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests the engine still holds (read from the event loop; a snapshot)."""
+        return len(self._routes)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Refuse new work, let in-flight requests finish for up to `timeout_s`, abort the rest."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.num_in_flight:
+            logger.warning("shutdown: aborting %d request(s) still in flight", self.num_in_flight)
+        self._commands.put(_Stop())
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    # -- the HTTP side ---------------------------------------------------------------------
+    def new_request_id(self, prefix: str) -> str:
+        self._ids += 1
+        return f"{prefix}-{self._ids}-{time.time_ns() % 10**9}"
+
+    async def submit(
+        self,
+        request_id: str,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        arrival_time: float,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Queue one engine request per prompt, all or none, and return their outputs' stream.
+
+        Raises InvalidRequest / Overloaded if the engine refuses (nothing stays queued then).
+        The stream yields (prompt index, cumulative output) until every prompt finishes;
+        leaving it early (client gone) aborts whatever is unfinished.
+        """
+        if self._draining:
+            raise ShuttingDown("the server is shutting down", retry_after_s=self.retry_after_s)
+        loop = asyncio.get_running_loop()
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        sink: asyncio.Queue = asyncio.Queue()
+        accepted = loop.create_future()
+        self._commands.put(_Add(ids, [list(p) for p in prompts], params, arrival_time, cache_salt, sink, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self._commands.put(_Abort(ids))
+            raise
+        return self._outputs(ids, sink)
+
+    async def _outputs(self, ids: list[str], sink: asyncio.Queue) -> AsyncIterator[tuple[int, RequestOutput]]:
+        unfinished = set(range(len(ids)))
+        try:
+            while unfinished:
+                latest = {}
+                item = await sink.get()
+                while True:  # coalesce: outputs are cumulative, a slow reader only needs the last
+                    if isinstance(item, BaseException):
+                        raise item
+                    latest[item[0]] = item
+                    if sink.empty():
+                        break
+                    item = sink.get_nowait()
+                for index, out in latest.values():
+                    if out.finished:
+                        unfinished.discard(index)
+                    yield index, out
+        finally:
+            if unfinished:
+                self._commands.put(_Abort([ids[i] for i in unfinished]))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run `fn(engine)` between two steps (e.g. reset the prefix cache)."""
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, done))
+        return await done
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            block = not engine.has_unfinished()
+            try:
+                commands = [self._commands.get(block=block)]
+            except queue.Empty:
+                commands = []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                if isinstance(cmd, _Stop):
+                    self._abort_all("the server is shutting down")
+                    self.metrics.update(engine)
+                    return
+                self._apply(cmd)
+            if engine.has_unfinished():
+                self._step()
+            self.metrics.update(engine)
+
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+        engine = self.engine
+        if isinstance(cmd, _Abort):
+            for rid in cmd.request_ids:
+                if self._routes.pop(rid, None) is not None and engine.abort(rid):
+                    self.metrics.aborted.inc()
+            return
+        if isinstance(cmd, _Call):
+            try:
+                self._resolve(cmd.done, cmd.fn(engine), None)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                self._resolve(cmd.done, None, e)
+            return
+        waiting = len(engine.scheduler.waiting)
+        if self.max_queue is not None and waiting + len(cmd.request_ids) > self.max_queue:
+            self.metrics.rejected.inc()
+            self._resolve(cmd.accepted, None, Overloaded(
+                f"{waiting} requests are waiting (limit {self.max_queue}); retry later",
+                retry_after_s=self.retry_after_s,
+            ))
+            return
+        added: list[str] = []
+        try:
+            for rid, prompt in zip(cmd.request_ids, cmd.prompts, strict=True):
+                engine.add_request(prompt, cmd.params, request_id=rid, arrival_time=cmd.arrival_time,
+                                   cache_salt=cmd.cache_salt)
+                added.append(rid)
+        except Exception as e:  # noqa: BLE001 - refused: nothing of this request stays queued
+            for rid in added:
+                engine.abort(rid)
+            self._resolve(cmd.accepted, None, e)
+            return
+        for i, rid in enumerate(added):
+            self._routes[rid] = _Route(cmd.sink, i)
+        self._resolve(cmd.accepted, True, None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests, keep the server up
+            logger.exception("engine step failed; aborting every request in flight")
+            self._abort_all(f"engine error: {e}")
+            return
+        batch = []
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            batch.append((route.sink, (route.index, out)))
+            if out.finished:
+                del self._routes[out.request_id]
+                self.metrics.observe_finished(out)
+        if batch:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+
+    def _abort_all(self, reason: str) -> None:
+        batch = []
+        for rid, route in self._routes.items():
+            self.engine.abort(rid)
+            self.metrics.aborted.inc()
+            batch.append((route.sink, KVPoolError(reason)))
+        self._routes.clear()
+        if batch:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+
+    def _resolve(self, fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+        self._loop.call_soon_threadsafe(_settle, fut, result, error)
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for sink, item in batch:
+        sink.put_nowait(item)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():  # the caller went away
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

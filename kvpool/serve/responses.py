@@ -1,0 +1,120 @@
+"""Pieces shared by the completions and chat routes: usage, logprobs, stream cursors, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from kvpool.engine.outputs import CompletionOutput, RequestOutput
+from kvpool.serve.errors import classify
+
+
+def usage(outputs: dict[int, RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs.values())
+    completion = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs.values())
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def completion_logprobs(tokenizer, out: CompletionOutput, start: int, offset: int) -> dict[str, Any] | None:
+    """OpenAI completions logprobs for generated tokens `start:`; text offsets begin at `offset`."""
+    if out.logprobs is None:
+        return None
+    tokens = [tokenizer.token_text(t) for t in out.token_ids[start:]]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    tops = out.top_logprobs or []
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(out.logprobs[start:]),
+        "top_logprobs": [{tokenizer.token_text(i): lp for i, lp in top} for top in tops[start:]],
+        "text_offset": offsets,
+    }
+
+
+def _token_entry(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def chat_logprobs(tokenizer, out: CompletionOutput, start: int) -> dict[str, Any] | None:
+    if out.logprobs is None:
+        return None
+    tops = out.top_logprobs or []
+    content = []
+    for k, (tid, lp) in enumerate(zip(out.token_ids[start:], out.logprobs[start:], strict=False)):
+        entry = _token_entry(tokenizer, tid, lp)
+        top = tops[start + k] if start + k < len(tops) else []
+        entry["top_logprobs"] = [_token_entry(tokenizer, i, v) for i, v in top]
+        content.append(entry)
+    return {"content": content}
+
+
+@dataclass(slots=True)
+class Cursor:
+    """How much of one choice has been streamed; text near a possible stop string is held back."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    done: bool = False
+
+    def advance(self, out: CompletionOutput, holdback: int) -> tuple[str, int]:
+        """The new text and the index of the first unsent token; moves the cursor."""
+        end = len(out.text) if out.finish_reason else max(self.text_sent, len(out.text) - holdback)
+        delta = out.text[self.text_sent:end]
+        first_token = self.tokens_sent
+        self.text_sent, self.tokens_sent = end, len(out.token_ids)
+        self.done = out.finish_reason is not None
+        return delta, first_token
+
+
+def holdback_for(stop: list[str]) -> int:
+    return max((len(s) for s in stop), default=1) - 1
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Frame chunks as server-sent events; an error after the headers went out becomes an event."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except Exception as e:  # noqa: BLE001 - the status line is already sent
+        yield sse(classify(e)[1])
+    yield sse("[DONE]")
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any], poll_s: float = 0.5) -> Any:
+    """Await `work`, cancelling it (and so aborting its requests) if the client hangs up."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def collect(stream: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
+    """The final output of every prompt of a request."""
+    last: dict[int, RequestOutput] = {}
+    async for index, out in stream:
+        last[index] = out
+    return last

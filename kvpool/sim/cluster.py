@@ -1,0 +1,289 @@
+"""A simulated cluster driven by the real `Conductor`: prefill and decode SimInstances
+(or colocated ones), an optional shared KV pool, and one event queue in virtual time.
+
+Life of a request (disaggregated): arrival -> `conductor.route` (accept or reject) ->
+optional pull of cached blocks from another instance or the pool (network time) -> prefill
+on the chosen instance (its own prefix cache, max_tokens=1: the first token) -> the decode
+instance accepts it or rejects it (prefill wasted) -> KV transfer (network time) -> decode
+on the chosen instance. KV events from every instance (and the pool) feed
+`conductor.index`; every instance reports its load after each step.
+
+Events are processed in (time, sequence number) order, so a run is deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from kvpool.cluster.conductor import Conductor
+from kvpool.cluster.index import POOL
+from kvpool.cluster.predictor import CostModelPredictor, StepTimePredictor
+from kvpool.cluster.records import ConductorConfig, RouteRequest
+from kvpool.core.kv_manager import KVCacheManager
+from kvpool.errors import ConfigError
+from kvpool.sched.scheduler import SchedulerConfig
+from kvpool.sim.cost_model import CostModel
+from kvpool.sim.instance import SimInstance, write_blocks
+from kvpool.sim.metrics import RequestMetrics
+from kvpool.sim.tokens import BlockHasher, TokenSynth
+from kvpool.sim.workloads import SimRequest
+
+ARRIVE, PREFILL_ADD, DECODE_ADD, STEP, SAMPLE = range(5)
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    """`num_decode` 0 means colocated instances. `pool_blocks` > 0 adds a shared KV pool
+    (LRU over hosts' DRAM) that every prefill writes its prompt blocks to."""
+
+    num_prefill: int
+    num_decode: int
+    scheduler: SchedulerConfig
+    conductor: ConductorConfig
+    decode_scheduler: SchedulerConfig | None = None
+    pool_blocks: int = 0
+    sample_interval_s: float = 0.0  # load samples for plots; 0 = none
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 0:
+            raise ConfigError(f"need num_prefill >= 1 and num_decode >= 0, got {self.num_prefill}, {self.num_decode}")
+        if self.conductor.block_size != self.scheduler.block_size:
+            raise ConfigError(
+                f"conductor block_size {self.conductor.block_size} != scheduler block_size {self.scheduler.block_size}"
+            )
+
+
+@dataclass(slots=True)
+class LoadSample:
+    t: float
+    prefill_queued_tokens: list[int]
+    decode_running: list[int]
+
+
+@dataclass(slots=True)
+class ClusterResult:
+    metrics: list[RequestMetrics]
+    conductor: dict
+    instances: dict[str, dict]
+    end_s: float
+    samples: list[LoadSample] = field(default_factory=list)
+    rejected_after_prefill: int = 0
+    wasted_prefill_tokens: int = 0
+    prefill_tokens: int = 0
+    transferred_blocks: int = 0
+
+
+@dataclass(slots=True)
+class _Flight:
+    req: SimRequest
+    metrics: RequestMetrics
+    hashes: list
+    prefill_id: str = ""
+    decode_id: str = ""
+    uncached: int = 0
+
+
+class SimCluster:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        cost_model: CostModel,
+        predictor: StepTimePredictor | None = None,
+        decode_cost_model: CostModel | None = None,
+    ) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        sc = config.scheduler
+        self.hasher = BlockHasher(sc.block_size, TokenSynth(), sc.namespace)
+        events = replace(sc, record_kv_events=True)
+        self.prefill = {f"p{i}": SimInstance(f"p{i}", events, cost_model, self.hasher)
+                        for i in range(config.num_prefill)}
+        dsc = replace(config.decode_scheduler or sc, record_kv_events=True, namespace=sc.namespace,
+                      block_size=sc.block_size)
+        self.decode = {f"d{i}": SimInstance(f"d{i}", dsc, decode_cost_model or cost_model, self.hasher)
+                       for i in range(config.num_decode)}
+        self.instances = {**self.prefill, **self.decode}
+        self.predictor = predictor or CostModelPredictor(cost_model)
+        self.conductor = Conductor(list(self.prefill), list(self.decode), self.predictor, config.conductor)
+        self.pool = (KVCacheManager(config.pool_blocks, sc.block_size, namespace=sc.namespace, record_events=True)
+                     if config.pool_blocks else None)
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self._busy: set[str] = set()
+        self._flights: dict[str, _Flight] = {}
+        self._arrivals_left = 0
+        self.result = ClusterResult([], {}, {}, 0.0)
+
+    # -- the event loop -------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+    def run(self, requests: Sequence[SimRequest], on_arrival: Callable[[int], None] | None = None) -> ClusterResult:
+        for r in requests:
+            self._push(r.arrival_s, ARRIVE, r)
+        self._arrivals_left = len(requests)
+        if self.config.sample_interval_s > 0 and requests:
+            self._push(0.0, SAMPLE, None)
+        now = 0.0
+        while self._heap:
+            now, _, kind, payload = heapq.heappop(self._heap)
+            if kind == ARRIVE:
+                self._arrivals_left -= 1
+                self._arrive(payload, now)
+                if on_arrival is not None:
+                    on_arrival(1)
+            elif kind == STEP:
+                self._step(payload, now)
+            elif kind == PREFILL_ADD:
+                self._prefill_add(payload, now)
+            elif kind == DECODE_ADD:
+                self._decode_add(payload, now)
+            elif kind == SAMPLE and (self._flights or self._arrivals_left):
+                self._sample(now)
+        return self._finish(now)
+
+    def _wake(self, inst_id: str, now: float) -> None:
+        if inst_id not in self._busy:
+            self._busy.add(inst_id)
+            self._push(now, STEP, inst_id)
+
+    # -- handlers ----------------------------------------------------------------------------------
+    def _arrive(self, req: SimRequest, now: float) -> None:
+        m = RequestMetrics(req.request_id, req.arrival_s, req.prompt_len)
+        self.result.metrics.append(m)
+        hashes = self.hasher.hashes(req.chunks) if self.config.scheduler.enable_prefix_caching else []
+        decision = self.conductor.route(RouteRequest(req.request_id, req.prompt_len, hashes, req.output_len), now)
+        if not decision.accepted:
+            m.rejected = True
+            m.finish(now)
+            return
+        flight = _Flight(req, m, hashes, decision.prefill_id, decision.decode_id or decision.prefill_id)
+        self._flights[req.request_id] = flight
+        delay = 0.0
+        if decision.pull_from is not None:
+            delay = self.cost_model.kv_transfer_time(decision.pull_blocks)
+            self.result.transferred_blocks += decision.pull_blocks
+        self._push(now + delay, PREFILL_ADD, (flight, decision.cached_blocks if decision.pull_from else 0))
+
+    def _prefill_add(self, payload: tuple[_Flight, int], now: float) -> None:
+        flight, pulled = payload
+        inst = self.prefill[flight.prefill_id]
+        if pulled:
+            inst.seed_blocks(flight.hashes[:pulled])
+            self._drain(inst)
+        colocated = not self.decode
+        inst.add(flight.req, now, max_tokens=None if colocated else 1, prompt_hashes=flight.hashes,
+                 metrics=flight.metrics)
+        self._wake(inst.instance_id, now)
+
+    def _decode_add(self, flight: _Flight, now: float) -> None:
+        inst = self.decode[flight.decode_id]
+        inst.seed_blocks(flight.hashes)
+        self._drain(inst)
+        inst.add(flight.req, now, max_tokens=flight.req.output_len - 1, extra_prompt_tokens=1,
+                 prompt_hashes=flight.hashes, metrics=flight.metrics)
+        self._wake(inst.instance_id, now)
+
+    def _step(self, inst_id: str, now: float) -> None:
+        inst = self.instances[inst_id]
+        before = inst.counters.prefill_tokens
+        res = inst.step(now)
+        if res.duration == 0.0:
+            self._busy.discard(inst_id)
+            if inst.has_work():
+                raise ConfigError(f"instance {inst_id} stalled at t={now:.3f}: a request can never be scheduled")
+            return
+        end = now + res.duration
+        self.result.prefill_tokens += inst.counters.prefill_tokens - before
+        self._drain(inst)
+        self.conductor.update_load(inst_id, inst.load())
+        is_prefill = inst_id in self.prefill
+        for rid in res.tokens:
+            flight = self._flights[rid]
+            if is_prefill and len(flight.metrics.token_times) == 1:
+                self.conductor.on_prefill_done(rid, end)
+        for rid in res.finished:
+            flight = self._flights[rid]
+            if is_prefill and self.decode and flight.req.output_len > 1:
+                self._hand_over(flight, end)
+            else:
+                self._flights.pop(rid)
+                self.conductor.on_decode_done(rid, end, output_tokens=flight.metrics.output_len)
+        self._push(end, STEP, inst_id)
+
+    def _hand_over(self, flight: _Flight, now: float) -> None:
+        """Prefill done: the decode instance takes the request (KV transfer) or refuses it."""
+        req = flight.req
+        if self.pool is not None and flight.hashes:
+            write_blocks(self.pool, flight.hashes)
+            ev = self.pool.drain_events()
+            self.conductor.index.on_stored(POOL, ev.stored)
+            self.conductor.index.on_evicted(POOL, ev.evicted)
+        dec = self.decode[flight.decode_id]
+        if not self._decode_accepts(dec, req):
+            self._flights.pop(req.request_id)
+            wasted = req.prompt_len - flight.metrics.cached_tokens
+            self.conductor.on_rejected_after_prefill(req.request_id, wasted)
+            self.result.rejected_after_prefill += 1
+            self.result.wasted_prefill_tokens += wasted
+            flight.metrics.rejected = True
+            return
+        blocks = -(-req.prompt_len // self.config.scheduler.block_size)
+        self.result.transferred_blocks += blocks
+        self._push(now + self.cost_model.kv_transfer_time(blocks), DECODE_ADD, flight)
+
+    def _decode_accepts(self, dec: SimInstance, req: SimRequest) -> bool:
+        """A decode instance refuses work it cannot hold: KV for the whole request beyond its
+        free blocks, or (with a TBT SLO) a predicted step time over the SLO."""
+        sched = dec.sched
+        need = math.ceil((req.prompt_len + req.output_len) / sched.config.block_size)
+        queued = sum(-(-len(g.seqs[0].token_ids) // sched.config.block_size) for g in sched.waiting)
+        if need + queued > sched.kv.num_free_blocks:
+            return False
+        slo = self.config.conductor.tbt_slo_s
+        if slo is None:
+            return True
+        load = dec.load()
+        batch = len(sched.running) + len(sched.waiting) + 1
+        return self.predictor.decode_step_time(batch, load.decode_context_tokens + req.prompt_len) <= slo
+
+    def _drain(self, inst: SimInstance) -> None:
+        ev = inst.sched.kv.drain_events()
+        if ev.stored:
+            self.conductor.index.on_stored(inst.instance_id, ev.stored)
+        if ev.evicted:
+            self.conductor.index.on_evicted(inst.instance_id, ev.evicted)
+
+    def _sample(self, now: float) -> None:
+        self.result.samples.append(LoadSample(
+            now,
+            [self.conductor.queued_prefill_tokens(p) for p in self.prefill],
+            [len(d.sched.running) for d in (self.decode or self.prefill).values()],
+        ))
+        self._push(now + self.config.sample_interval_s, SAMPLE, None)
+
+    def _finish(self, now: float) -> ClusterResult:
+        r = self.result
+        r.end_s = now
+        r.conductor = self.conductor.snapshot(now)["stats"]
+        for iid, inst in self.instances.items():
+            c = inst.counters
+            r.instances[iid] = {
+                "steps": c.steps, "busy_s": c.busy_s, "prefill_tokens": c.prefill_tokens,
+                "generated_tokens": c.generated_tokens, "prefix_hit_rate": inst.sched.kv.stats.hit_rate,
+                "mean_batch": c.batched_requests / max(c.steps, 1), "preemptions": inst.sched.num_preemptions,
+            }
+        return r
+
+
+def simulate_cluster(
+    requests: Sequence[SimRequest],
+    config: ClusterConfig,
+    cost_model: CostModel,
+    predictor: StepTimePredictor | None = None,
+) -> ClusterResult:
+    return SimCluster(config, cost_model, predictor).run(requests)
