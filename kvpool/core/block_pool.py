@@ -34,6 +34,7 @@ class KVEvents:
 
     stored: list[BlockHash] = field(default_factory=list)
     evicted: list[BlockHash] = field(default_factory=list)
+    evicted_block_ids: list[int] = field(default_factory=list)  # where each evicted hash lived
 
 
 class BlockPool:
@@ -172,4 +173,5 @@ class BlockPool:
         del self._cached[block.block_hash]
         if self.events is not None:
             self.events.evicted.append(block.block_hash)
+            self.events.evicted_block_ids.append(block.block_id)
         block.block_hash = None

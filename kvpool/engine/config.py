@@ -2,30 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from kvpool.errors import ConfigError
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "t": 1000**4, "tb": 1000**4}
-
-
-def parse_bytes(value: str | int | float, what: str, available: int | None = None) -> int:
-    """'2GiB', '512MB', '1048576' -> bytes; a number in (0, 1] is a fraction of `available`."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        text = str(value)
-    else:
-        text = str(value).strip().lower()
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text)
-    if not m or m.group(2) not in _UNITS:
-        raise ConfigError(f"{what}: cannot read {value!r} as a size (e.g. 2GiB, 512MB, 0.3)")
-    number = float(m.group(1))
-    if not m.group(2) and 0 < number <= 1 and "." in m.group(1):
-        if available is None:
-            raise ConfigError(f"{what}: a fraction ({value}) needs a known memory size")
-        return int(number * available)
-    return int(number * _UNITS[m.group(2)])
 
 
 def available_host_memory() -> int:
@@ -56,12 +35,20 @@ class EngineConfig:
     seed: int = 0
     threads: int | None = None
     max_logprobs: int = 20
+    kv_host_memory: str = "0"  # tiered store: host DRAM tier budget (0 = off)
+    kv_disk_path: str | None = None
+    kv_disk_size: str = "10GiB"
+    kv_remote: str | None = None  # redis://host:port or mooncake://host:port
+    kv_write_policy: str = "write-through"
+    publish_kv_events: bool = False  # keep stored/evicted hashes for drain_kv_events()
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_write_policy not in ("write-through", "write-back"):
+            raise ConfigError(f"kv_write_policy must be write-through or write-back, got {self.kv_write_policy!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
@@ -75,6 +62,11 @@ _HELP = {
     "eviction_policy": "prefix-cache eviction: lru | lfu | fifo",
     "max_model_len": "context length (default: the model's)",
     "threads": "torch CPU threads (default: all cores)",
+    "kv_host_memory": "tiered KV store: host DRAM budget (e.g. 4GiB; 0 = off)",
+    "kv_disk_path": "tiered KV store: a directory for the disk tier",
+    "kv_disk_size": "tiered KV store: disk tier budget",
+    "kv_remote": "tiered KV store: shared pool URL, redis://host:port or mooncake://host:port",
+    "kv_write_policy": "write-through (save every computed block) | write-back (save on device eviction)",
 }
 
 

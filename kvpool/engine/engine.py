@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.core.block_pool import KVEvents
 from kvpool.engine.beam import BeamState, beam_step
-from kvpool.engine.config import EngineConfig, available_host_memory, parse_bytes
+from kvpool.engine.config import EngineConfig, available_host_memory
+from kvpool.engine.kv_io import KVStoreConnector
 from kvpool.engine.loader import LoadedModel, load_model
 from kvpool.engine.models.llama import num_blocks_for_budget
 from kvpool.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -25,6 +27,7 @@ from kvpool.errors import InvalidRequest
 from kvpool.sched.request import FinishReason, Sequence, SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig
+from kvpool.sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,9 @@ class Engine:
         num_host_blocks = parse_bytes(config.swap_space, "swap_space") // per_block
         if config.preemption_mode == "swap" and num_host_blocks < 1:
             raise InvalidRequest(f"swap_space {config.swap_space} holds no KV block ({per_block} bytes)")
+        self.block_size = config.block_size
+        self.namespace = f"{self.loaded.name}/{config.dtype}/{config.block_size}"
+        store = self._make_store()
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
@@ -62,12 +68,18 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching, eviction_policy=config.eviction_policy,
             preemption_mode=config.preemption_mode,
             num_host_blocks=num_host_blocks if config.preemption_mode == "swap" else 0,
-            watermark=config.watermark, namespace=f"{self.loaded.name}/{config.dtype}/{config.block_size}",
+            watermark=config.watermark, namespace=self.namespace,
+            record_kv_events=store is not None or config.publish_kv_events,
         ))
         self.runner = ModelRunner(
             self.loaded, num_blocks, config.block_size,
             num_host_blocks if config.preemption_mode == "swap" else 0, self.dtype, self.device,
         )
+        self.kv_store: KVStoreConnector | None = None
+        if store is not None:
+            self.kv_store = KVStoreConnector(store, self.runner, self.scheduler, config.kv_write_policy)
+            self.scheduler.external_kv = self.kv_store.lookup
+        self._published = KVEvents()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at %d tokens: %.2fx",
             num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * per_block / 2**20,
@@ -81,6 +93,50 @@ class Engine:
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+
+    def _make_store(self):
+        c, m = self.config, self.loaded.config
+        if parse_bytes(c.kv_host_memory, "kv_host_memory") <= 0 and not c.kv_disk_path and not c.kv_remote:
+            return None
+        from kvpool.store.factory import make_store
+        from kvpool.store.format import block_namespace, block_shape
+
+        np_dtype = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}[c.dtype]
+        return make_store(
+            parse_bytes(c.kv_host_memory, "kv_host_memory"), c.kv_disk_path, parse_bytes(c.kv_disk_size, "kv_disk_size"),
+            c.kv_remote, c.kv_write_policy,
+            block_namespace(self.loaded.name, c.dtype, c.block_size, m.num_layers, m.num_kv_heads, m.head_dim),
+            block_shape(m.num_layers, c.block_size, m.num_kv_heads, m.head_dim), np_dtype, c.eviction_policy,
+        )
+
+    def drain_kv_events(self) -> KVEvents:
+        """Block hashes registered / evicted in the device cache since the last call
+        (needs `publish_kv_events`), for a conductor's global index."""
+        events, self._published = self._published, KVEvents()
+        return events
+
+    def load_report(self) -> dict[str, int]:
+        sched = self.scheduler
+        usage = sched.kv.usage()
+        queued = sum(len(s.token_ids) - s.num_computed_tokens for g in sched.waiting for s in g.live_seqs)
+        queued += sum(
+            len(s.token_ids) - s.num_computed_tokens for g in sched.running for s in g.live_seqs if s.in_prefill
+        )
+        return {
+            "queued_prefill_tokens": queued, "running": sched.num_running_seqs, "waiting": len(sched.waiting),
+            "swapped": len(sched.swapped), "free_kv_blocks": usage.free_blocks, "total_kv_blocks": usage.total_blocks,
+        }
+
+    def close(self) -> None:
+        if self.kv_store is not None:
+            self.kv_store.close()
+
+    def _events(self) -> KVEvents:
+        events = self.scheduler.kv.drain_events()
+        if self.config.publish_kv_events:
+            self._published.stored.extend(events.stored)
+            self._published.evicted.extend(events.evicted)
+        return events
 
     def _blocks_from_budget(self) -> int:
         budget = parse_bytes(self.config.kv_cache_memory, "kv_cache_memory", available_host_memory())
@@ -146,9 +202,17 @@ class Engine:
         if out.is_empty:
             return []
         now = time.monotonic()
+        if self.kv_store is not None:
+            self.kv_store.before_forward(out, self._events())
+        elif self.config.publish_kv_events:
+            self._events()
         tables = [sched.kv.block_table(s.seq.seq_id) for s in out.scheduled]
         logits = self.runner.execute(out, tables)
         sched.update(out)
+        if self.kv_store is not None:
+            self.kv_store.after_update(self._events())
+        elif self.config.publish_kv_events:
+            self._events()
         self.num_steps += 1
         touched: dict[str, SequenceGroup] = {}
         for s in out.scheduled:

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most requests allowed to wait for admission; beyond it new ones get 429")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    group.add_argument("--role", choices=("prefill", "decode", "both"), default=None,
+                       help="serve as a cluster member for `kvpool conductor`: publish KV events and load "
+                            "on /internal routes (default: standalone)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -38,6 +41,8 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.role:
+        args.publish_kv_events = True  # the conductor drains them through /internal/state
     engine = Engine(engine_config_from_args(args))
     name = args.served_model_name or engine.loaded.name
     sched_cfg = engine.scheduler.config
@@ -48,6 +53,10 @@ def main(args: argparse.Namespace) -> int:
         api_key=args.api_key,
     )
     app = build_app(state, args.shutdown_timeout)
+    if args.role:
+        from kvpool.serve.internal import build_internal_router
+
+        app.include_router(build_internal_router(state, args.role, args.kv_remote))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)

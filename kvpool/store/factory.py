@@ -3,29 +3,14 @@
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from kvpool.errors import ConfigError
+from kvpool.sizes import parse_bytes
 from kvpool.store.disk import DiskTier
 from kvpool.store.host import HostTier
 from kvpool.store.kv_store import TieredKVStore
 from kvpool.store.tier import Tier
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from `1073741824`, `512MiB`, `4GB`, `1.5g` (case-insensitive)."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot read size {text!r}; expected e.g. 512MiB, 4GB or a byte count")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def make_remote_tier(url: str) -> Tier:
@@ -54,11 +39,11 @@ def make_store(
 ) -> TieredKVStore | None:
     """The configured tiers (host, disk, remote; each optional) as one store; None if none is."""
     tiers: list[Tier] = []
-    host = parse_size(host_bytes)
+    host = parse_bytes(host_bytes, "--kv-host-memory")
     if host > 0:
         tiers.append(HostTier(host, eviction_policy))
     if disk_path:
-        disk = parse_size(disk_bytes)
+        disk = parse_bytes(disk_bytes, "--kv-disk-size")
         if disk <= 0:
             raise ConfigError(f"--kv-disk-path {disk_path!r} needs a positive --kv-disk-size, got {disk_bytes!r}")
         tiers.append(DiskTier(disk_path, disk, eviction_policy))

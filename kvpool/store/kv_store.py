@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -60,6 +60,7 @@ class TieredKVStore:
         self.corrupt_blocks: dict[str, int] = dict.fromkeys(names, 0)
         self._prefix = f"kv:{namespace_id(namespace)}:"
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore")
+        self._pending: set[Future[bool]] = set()
         if write_policy == "write-back":
             for upper, lower in zip(self.tiers, self.tiers[1:], strict=False):
                 if hasattr(upper, "on_evict"):
@@ -130,11 +131,19 @@ class TieredKVStore:
 
     def save_async(self, block_hash: BlockHash, block: np.ndarray) -> Future[bool]:
         """`save` on a worker thread; the block is copied now, so the caller may reuse it."""
-        return self._pool.submit(self.save, block_hash, np.array(block, copy=True))
+        future = self._pool.submit(self.save, block_hash, np.array(block, copy=True))
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
 
     def load_async(self, hashes: Sequence[BlockHash]) -> Future[list[np.ndarray]]:
         """`load` on a worker thread, to overlap the read with compute."""
         return self._pool.submit(self.load, list(hashes))
+
+    def flush(self) -> None:
+        """Wait until every save queued so far has finished."""
+        pending, self._pending = self._pending, set()
+        wait(pending)
 
     def stats(self) -> dict[str, TierStats]:
         return {tier.name: tier.stats() for tier in self.tiers}

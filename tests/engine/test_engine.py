@@ -60,7 +60,7 @@ def test_batched_greedy_equals_transformers_generate(loaded, hf_model, ample):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_greedy_outputs_and_frees_every_block(loaded, ample, mode):
-    engine = make_engine(loaded, num_blocks=12, block_size=4, preemption_mode=mode, swap_space="64MiB",
+    engine = make_engine(loaded, num_blocks=16, block_size=4, preemption_mode=mode, swap_space="64MiB",
                          max_num_batched_tokens=64)
     outs = run_all(engine, PROMPTS, GREEDY)
     assert engine.scheduler.num_preemptions >= 10

@@ -7,7 +7,7 @@ from store_helpers import DTYPE, NAMESPACE, SHAPE, make_block
 from kvpool.core.hashing import hash_blocks
 from kvpool.errors import ConfigError
 from kvpool.store.disk import DiskTier, file_name
-from kvpool.store.factory import make_store, parse_size
+from kvpool.store.factory import make_store
 from kvpool.store.format import encode_block
 from kvpool.store.host import HostTier
 from kvpool.store.kv_store import TieredKVStore
@@ -143,14 +143,3 @@ def test_make_store_builds_the_configured_tiers(tmp_path):
     assert make_store(0, None, 0, None, "write-through", NAMESPACE, SHAPE, DTYPE) is None
     with pytest.raises(ConfigError, match="ftp://x"):
         make_store(0, None, 0, "ftp://x", "write-through", NAMESPACE, SHAPE, DTYPE)
-
-
-@pytest.mark.parametrize("text,expected", [("512MiB", 512 * 2**20), ("4GB", 4 * 10**9),
-                                           ("1.5g", 1_500_000_000), ("1024", 1024), (7, 7)])
-def test_parse_size_reads_units(text, expected):
-    assert parse_size(text) == expected
-
-
-def test_parse_size_names_the_bad_value():
-    with pytest.raises(ConfigError, match="12 parsecs"):
-        parse_size("12 parsecs")

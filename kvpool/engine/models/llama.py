@@ -242,7 +242,7 @@ class LlamaForCausal(nn.Module):
         self.rotary = Rotary(config)
         self.lm_head: nn.Parameter | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+            self.lm_head = nn.Parameter(torch.randn(config.vocab_size, config.hidden_size) * 0.02)
 
     @torch.inference_mode()
     def forward(

@@ -1,0 +1,255 @@
+"""One request through the cluster: route it, run its prefill, then its decode, and keep the
+conductor's bookkeeping in step with what really happened.
+
+Disaggregated: the prefill instance gets the prompt with max_tokens=1 (its blocks reach the
+shared pool); the decode instance gets prompt + first token with max_tokens-1, loads the
+prompt's KV from the pool and streams the rest. Colocated (`both`): one call does all.
+`start()` returns the first token, having already opened the decode stream, so every refusal
+or failure before the first byte becomes a proper HTTP status; `rest()` streams the others.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvpool.cluster.conductor import Conductor
+from kvpool.cluster.members import Member, MemberPoller
+from kvpool.cluster.records import RouteRequest
+from kvpool.errors import InvalidRequest, KVPoolError, Overloaded
+
+
+class InstanceFailed(KVPoolError):
+    """An instance failed while serving the request (HTTP 502)."""
+
+
+class NoInstance(KVPoolError):
+    """No instance of a needed role is up (HTTP 503)."""
+
+
+class _Refused(KVPoolError):
+    """The instance answered with an error status before streaming."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(body.get("error", {}).get("message", f"HTTP {status}"))
+        self.status = status
+
+
+@dataclass(slots=True)
+class Piece:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class RelayStats:
+    """The gateway's own counters (the conductor keeps the routing ones)."""
+
+    requests: int = 0
+    completed: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    decode_refused: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+    aborted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_sum_s: float = 0.0
+    ttft_count: int = 0
+
+
+class _Upstream:
+    """An open NDJSON stream from /internal/generate."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.lines = response.aiter_lines()
+
+    @classmethod
+    async def open(cls, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> _Upstream:
+        req = client.build_request("POST", f"{url}/internal/generate", json=body)
+        response = await client.send(req, stream=True)
+        if response.status_code != 200:
+            raw = await response.aread()
+            await response.aclose()
+            try:
+                detail = json.loads(raw)
+            except ValueError:
+                detail = {}
+            raise _Refused(response.status_code, detail if isinstance(detail, dict) else {})
+        return cls(response)
+
+    async def next(self) -> dict[str, Any] | None:
+        async for line in self.lines:
+            if line:
+                data = json.loads(line)
+                if "error" in data:
+                    raise KVPoolError(data["error"].get("message", "instance error"))
+                return data
+        return None
+
+    async def close(self) -> None:
+        await self.response.aclose()
+
+
+class Relay:
+    def __init__(self, rid: str, ids: list[int], hashes: list[bytes], body: dict[str, Any], max_tokens: int,
+                 conductor: Conductor, poller: MemberPoller, client: httpx.AsyncClient, stats: RelayStats) -> None:
+        self.rid, self.ids, self.hashes, self.body, self.max_tokens = rid, ids, hashes, body, max_tokens
+        self.conductor, self.poller, self.client, self.stats = conductor, poller, client, stats
+        self.arrival = time.monotonic()
+        self.cached_tokens = 0
+        self.output_tokens = 0
+        self._stream: _Upstream | None = None
+        self._stream_member: Member | None = None
+        self._routed = False
+        self._first_done = False
+        self._failed = False
+
+    # -- the first token ------------------------------------------------------------------
+    async def start(self) -> Piece:
+        self.stats.requests += 1
+        members = self.poller.members
+        if not any(m.up and m.indexed for m in members.values()):
+            raise NoInstance("no prefill instance is up; retry later")
+        if any(m.role == "decode" for m in members.values()) and not any(
+                m.up and m.role == "decode" for m in members.values()):
+            raise NoInstance("no decode instance is up; retry later")
+        d = self.conductor.route(RouteRequest(self.rid, len(self.ids), self.hashes, self.max_tokens),
+                                 time.monotonic())
+        if not d.accepted:
+            self.stats.rejected[d.reason] = self.stats.rejected.get(d.reason, 0) + 1
+            raise Overloaded(f"the cluster refused the request ({d.reason}: predicted TTFT "
+                             f"{d.predicted_ttft:.2f}s); retry later", retry_after_s=1.0)
+        self._routed = True
+        prefill, decode = members[d.prefill_id], members[d.decode_id]
+        try:
+            if prefill is decode:
+                first = await self._open(prefill, self.ids, self.max_tokens, self.body.get("min_tokens", 0))
+            else:
+                first = await self._prefill_then_open_decode(prefill, decode)
+        except BaseException:
+            await self.close()
+            raise
+        return first
+
+    async def _prefill_then_open_decode(self, prefill: Member, decode: Member) -> Piece:
+        min_tokens = self.body.get("min_tokens", 0)
+        first = await self._open(prefill, self.ids, 1, min(min_tokens, 1))
+        while first.finish_reason is None:  # drain the one-token stream
+            more = await self._next()
+            if more is None:
+                break
+            first = more
+        await self._close_stream()
+        if first.finish_reason != "length" or self.max_tokens == 1:
+            self._finish()
+            return first
+        first.finish_reason = None
+        first.stop_reason = None
+        try:
+            await self._open(decode, self.ids + first.token_ids, self.max_tokens - 1, max(0, min_tokens - 1),
+                             first_token=False)
+        except Overloaded:
+            self.stats.decode_refused += 1
+            self.conductor.on_rejected_after_prefill(self.rid, len(self.ids) - self.cached_tokens)
+            self._routed = False
+            raise
+        return first
+
+    async def _open(self, member: Member, prompt: list[int], max_tokens: int, min_tokens: int,
+                    first_token: bool = True) -> Piece:
+        """Open a generation stream on `member`; with `first_token`, read and return it."""
+        body = {**self.body, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": min_tokens}
+        self._stream_member = member
+        try:
+            self._stream = await _Upstream.open(self.client, member.url, body)
+        except _Refused as e:
+            if e.status == 429:
+                raise Overloaded(f"instance {member.instance_id} refused the request: {e}") from e
+            if e.status == 400:
+                raise InvalidRequest(str(e)) from e
+            raise self._failure(member, e) from e
+        except httpx.HTTPError as e:
+            raise self._failure(member, e) from e
+        if not first_token:
+            return Piece([], "")
+        piece = await self._next()
+        if piece is None:
+            raise self._failure(member, KVPoolError("the stream ended before the first token"))
+        return piece
+
+    def _failure(self, member: Member, error: Exception) -> InstanceFailed:
+        self._failed = True
+        self.stats.failed[member.instance_id] = self.stats.failed.get(member.instance_id, 0) + 1
+        if isinstance(error, httpx.TransportError):
+            self.poller.missed(member, error)
+        return InstanceFailed(f"instance {member.instance_id} ({member.role} at {member.url}) failed "
+                              f"while serving this request: {type(error).__name__}: {error}")
+
+    async def _next(self) -> Piece | None:
+        assert self._stream is not None and self._stream_member is not None
+        try:
+            data = await self._stream.next()
+        except (httpx.HTTPError, KVPoolError) as e:
+            raise self._failure(self._stream_member, e) from e
+        if data is None:
+            return None
+        if not self._first_done:
+            self._first_done = True
+            self.cached_tokens = data["num_cached_tokens"]
+            now = time.monotonic()
+            self.stats.prompt_tokens += len(self.ids)
+            self.stats.cached_prompt_tokens += self.cached_tokens
+            self.stats.ttft_sum_s += now - self.arrival
+            self.stats.ttft_count += 1
+            self.conductor.on_prefill_done(self.rid, now)
+        self.output_tokens += len(data["token_ids"])
+        self.stats.generated_tokens += len(data["token_ids"])
+        piece = Piece(data["token_ids"], data["text"], data["finish_reason"], data["stop_reason"])
+        if piece.finish_reason is not None and self._stream_member.role != "prefill":
+            self._finish()
+        return piece
+
+    # -- the rest -------------------------------------------------------------------------
+    async def rest(self) -> AsyncIterator[Piece]:
+        try:
+            while self._stream is not None:
+                piece = await self._next()
+                if piece is None:
+                    if self._routed:
+                        raise self._failure(self._stream_member, KVPoolError("the stream ended early"))
+                    break
+                yield piece
+                if piece.finish_reason is not None:
+                    break
+        finally:
+            await self.close()
+
+    def _finish(self) -> None:
+        if self._routed:
+            self._routed = False
+            self.stats.completed += 1
+            self.conductor.on_decode_done(self.rid, time.monotonic(), output_tokens=max(1, self.output_tokens))
+
+    async def _close_stream(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream = None
+
+    async def close(self) -> None:
+        """Release the upstream stream; a request that did not finish leaves the conductor's books
+        (counted as rejected after prefill with the work it wasted, or none)."""
+        await self._close_stream()
+        if self._routed:
+            self._routed = False
+            if not self._failed:
+                self.stats.aborted += 1
+            self.conductor.on_rejected_after_prefill(self.rid, 0)

@@ -1,0 +1,109 @@
+"""The engine's side of the tiered KV store: load external hits, save computed blocks.
+
+The scheduler decides (at admission it asks `lookup` how many blocks beyond the device
+prefix hit the store holds, and plans `KVLoad`s); this connector moves the bytes. Loads
+happen before the forward pass; a block that fails to load is simply recomputed in the
+same step, so outputs never depend on the store. Saves gather the blocks' K/V on the engine
+thread (their slots may be reused by the next step) and encode/write on store workers.
+Write-through saves every block once its KV is computed; write-back saves a block only
+when the device evicts it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvpool.core.block_pool import KVEvents
+from kvpool.core.hashing import BlockHash
+from kvpool.engine.runner import ModelRunner
+from kvpool.sched.scheduler import Scheduler, SchedulerOutput
+from kvpool.store.kv_store import TieredKVStore
+
+logger = logging.getLogger(__name__)
+
+
+class KVStoreConnector:
+    def __init__(self, store: TieredKVStore, runner: ModelRunner, scheduler: Scheduler, write_policy: str) -> None:
+        self.store = store
+        self.runner = runner
+        self.scheduler = scheduler
+        self.write_back = write_policy == "write-back"
+        self._loaded: set[BlockHash] = set()
+        self._pending_stored: list[BlockHash] = []
+        self.loaded_blocks = 0
+        self.failed_loads = 0
+        self.saved_blocks = 0
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        return self.store.lookup(hashes)[0]
+
+    def before_forward(self, out: SchedulerOutput, events: KVEvents) -> None:
+        """Fill planned external hits (fixing up short loads) and save blocks about to be
+        overwritten (write-back). Runs after schedule(), before the step's copies and writes."""
+        self._pending_stored.extend(events.stored)
+        if self.write_back and events.evicted:
+            self._save(list(zip(events.evicted, events.evicted_block_ids, strict=True)))
+        for load in out.kv_loads:
+            blocks = self.store.load(load.hashes)
+            if blocks:
+                self._write(load.block_ids[: len(blocks)], blocks)
+                self._loaded.update(load.hashes[: len(blocks)])
+                self.loaded_blocks += len(blocks)
+            if len(blocks) < len(load.hashes):
+                self.failed_loads += len(load.hashes) - len(blocks)
+                self._recompute_from(out, load.seq, (load.start_block + len(blocks)) * self.scheduler.config.block_size)
+
+    def after_update(self, events: KVEvents) -> None:
+        """Write-through: save the blocks whose KV this step computed (not the ones it loaded)."""
+        stored = self._pending_stored + events.stored
+        self._pending_stored = []
+        if self.write_back:
+            return
+        pool = self.scheduler.kv.pool
+        todo = []
+        for h in stored:
+            if h in self._loaded:
+                self._loaded.discard(h)
+                continue
+            block_id = pool.lookup(h)
+            if block_id is not None:
+                todo.append((h, block_id))
+        self._save(todo)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _write(self, block_ids: list[int], blocks: list[np.ndarray]) -> None:
+        data = torch.from_numpy(np.stack(blocks))  # [n, L, 2, B, H, D]
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        for layer, (k, v) in enumerate(self.runner.kv_caches):
+            idx = ids.to(k.device)
+            k.index_copy_(0, idx, data[:, layer, 0].to(k.device, k.dtype))
+            v.index_copy_(0, idx, data[:, layer, 1].to(v.device, v.dtype))
+
+    def _save(self, items: list[tuple[BlockHash, int]]) -> None:
+        if not items:
+            return
+        ids = torch.tensor([b for _, b in items], dtype=torch.long)
+        per_layer = []
+        for k, v in self.runner.kv_caches:
+            idx = ids.to(k.device)
+            per_layer.append(torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1))
+        data = torch.stack(per_layer, dim=1).cpu().numpy()  # [n, L, 2, B, H, D]
+        for (h, _), block in zip(items, data, strict=True):
+            self.store.save_async(h, block)
+        self.saved_blocks += len(items)
+
+    @staticmethod
+    def _recompute_from(out: SchedulerOutput, seq, position: int) -> None:
+        """A load came up short: compute from `position` in this step instead."""
+        for s in out.scheduled:
+            if s.seq is seq and s.start > position:
+                s.num_new_tokens += s.start - position
+                s.start = position
+        seq.num_computed_tokens = min(seq.num_computed_tokens, position)
+        logger.warning("KV store load came up short for sequence %d; recomputing from token %d", seq.seq_id, position)

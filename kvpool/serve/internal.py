@@ -1,0 +1,117 @@
+"""Routes a cluster member offers its conductor (`kvpool serve --role ...`).
+
+`GET /internal/state?since=N` returns the instance's load and the KV events (block hashes
+registered / evicted in its device cache) after cursor N, as JSON with hex hashes; a cursor
+the log no longer covers (a new conductor, or one that fell behind) gets a snapshot of every
+block held instead. `POST /internal/generate` runs one token-id prompt and streams NDJSON
+lines with the new token ids and text, which is what a prefill/decode split needs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from kvpool.errors import InvalidRequest
+from kvpool.serve.errors import classify
+from kvpool.serve.protocol import CompletionRequest
+from kvpool.serve.responses import Cursor, holdback_for
+from kvpool.serve.state import ServerState
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(slots=True)
+class KVEventLog:
+    """Events numbered from 1, the last `capacity` kept, plus the set of blocks held now
+    (so a poller whose cursor fell out of the log can resynchronise from a snapshot)."""
+
+    capacity: int = 100_000
+    cursor: int = 0
+    held: set[bytes] = field(default_factory=set)
+    _log: deque[tuple[int, bool, bytes]] = field(default_factory=deque)
+
+    def add(self, stored: list[bytes], evicted: list[bytes]) -> None:
+        for stored_flag, hashes in ((True, stored), (False, evicted)):
+            for h in hashes:
+                self.cursor += 1
+                self._log.append((self.cursor, stored_flag, h))
+                if stored_flag:
+                    self.held.add(h)
+                else:
+                    self.held.discard(h)
+        while len(self._log) > self.capacity:
+            self._log.popleft()
+
+    def since(self, cursor: int) -> dict[str, Any]:
+        """Events after `cursor`, or a snapshot when the log does not reach back that far."""
+        oldest = self._log[0][0] if self._log else self.cursor + 1
+        if cursor <= 0 or cursor > self.cursor or cursor + 1 < oldest:
+            return {"snapshot": True, "stored": [h.hex() for h in self.held], "evicted": []}
+        stored, evicted = [], []
+        for n, stored_flag, h in self._log:
+            if n > cursor:
+                (stored if stored_flag else evicted).append(h.hex())
+        return {"snapshot": False, "stored": stored, "evicted": evicted}
+
+
+def build_internal_router(state: ServerState, role: str, kv_remote: str | None) -> APIRouter:
+    """The /internal routes; `kv_remote` tells the conductor whether blocks also go to a pool."""
+    if role not in ROLES:
+        raise InvalidRequest(f"role must be one of {ROLES}, got {role!r}", param="role")
+    router = APIRouter(prefix="/internal")
+    log = KVEventLog()
+    boot_id = uuid.uuid4().hex
+
+    @router.get("/state")
+    async def instance_state(since: int = 0) -> dict:
+        def read(engine: Any) -> tuple[Any, dict[str, int], str, int]:
+            return engine.drain_kv_events(), engine.load_report(), engine.namespace, engine.block_size
+
+        events, load, namespace, block_size = await state.engine.call(read)
+        log.add(list(events.stored), list(events.evicted))
+        return {
+            "boot_id": boot_id, "role": role, "model": state.model_name, "namespace": namespace,
+            "block_size": block_size, "max_model_len": state.max_model_len, "kv_remote": kv_remote,
+            "load": load, "cursor": log.cursor, **log.since(since),
+        }
+
+    @router.post("/generate")
+    async def generate(req: CompletionRequest, raw: Request) -> StreamingResponse:
+        prompt = req.prompt_list()
+        if len(prompt) != 1 or not isinstance(prompt[0], list) or req.n != 1 or req.use_beam_search:
+            raise InvalidRequest("/internal/generate takes one token-id prompt, n=1, no beam search")
+        if req.max_tokens is None:
+            raise InvalidRequest("/internal/generate needs max_tokens", param="max_tokens")
+        req.check()
+        params = req.sampling_params(req.max_tokens, None)
+        rid = state.engine.new_request_id("int")
+        stream = await state.engine.submit(rid, prompt, params, time.monotonic(), req.cache_salt)
+        return StreamingResponse(_lines(stream, holdback_for(params.stop)), media_type="application/x-ndjson")
+
+    return router
+
+
+async def _lines(stream: AsyncIterator, holdback: int) -> AsyncIterator[str]:
+    """One JSON line per engine output: new token ids, new text, and the finish reason."""
+    cursor = Cursor()
+    try:
+        async for _, out in stream:
+            c = out.outputs[0]
+            first = cursor.tokens_sent
+            delta, _ = cursor.advance(c, holdback)
+            yield json.dumps({
+                "token_ids": c.token_ids[first:], "text": delta, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, "num_cached_tokens": out.num_cached_tokens,
+                "prompt_tokens": len(out.prompt_token_ids),
+            }, ensure_ascii=False) + "\n"
+    except Exception as e:  # noqa: BLE001 - the status line is already sent
+        yield json.dumps(classify(e)[1]) + "\n"
