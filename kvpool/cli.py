@@ -14,9 +14,10 @@ COMMANDS = {
     "generate": ("kvpool.commands.generate", "generate text for one or more prompts"),
     "chat": ("kvpool.commands.chat", "interactive chat with the model"),
     "demo": ("kvpool.commands.demo", "show the paging mechanism at work (demo paging)"),
-    "bench": ("kvpool.commands.bench", "benchmarks: core | throughput | serve | profile"),
+    "bench": ("kvpool.commands.bench", "benchmarks: core | throughput | serve | profile | kvstore | cluster"),
     "serve": ("kvpool.serve.cli", "OpenAI-compatible HTTP server"),
     "conductor": ("kvpool.cluster.cli", "the cluster's KV-aware gateway"),
+    "cluster": ("kvpool.commands.cluster", "start/stop a local prefill/decode cluster: cluster up | down"),
     "sim": ("kvpool.sim.cli", "the cluster simulator and its experiments"),
     "kv": ("kvpool.store.cli", "KV storage tools: kv calc"),
 }

@@ -1,4 +1,4 @@
-"""`kvpool bench core | throughput | serve | profile`."""
+"""`kvpool bench core | throughput | serve | profile | kvstore | cluster`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ BENCHES = {
     "throughput": "kvpool.bench.throughput",
     "serve": "kvpool.bench.serve",
     "profile": "kvpool.bench.profile",
+    "kvstore": "kvpool.bench.kvstore",
+    "cluster": "kvpool.bench.cluster",
 }
 
 

@@ -199,18 +199,21 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler
         out = sched.schedule()
-        if out.is_empty:
-            return []
-        now = time.monotonic()
         if self.kv_store is not None:
             self.kv_store.before_forward(out, self._events())
         elif self.config.publish_kv_events:
             self._events()
+        if out.is_empty:
+            if self.kv_store is not None:
+                self.kv_store.complete_loads()
+            return []
+        now = time.monotonic()
         tables = [sched.kv.block_table(s.seq.seq_id) for s in out.scheduled]
         logits = self.runner.execute(out, tables)
         sched.update(out)
         if self.kv_store is not None:
             self.kv_store.after_update(self._events())
+            self.kv_store.complete_loads()
         elif self.config.publish_kv_events:
             self._events()
         self.num_steps += 1

@@ -1,9 +1,10 @@
 """The engine's side of the tiered KV store: load external hits, save computed blocks.
 
 The scheduler decides (at admission it asks `lookup` how many blocks beyond the device
-prefix hit the store holds, and plans `KVLoad`s); this connector moves the bytes. Loads
-happen before the forward pass; a block that fails to load is simply recomputed in the
-same step, so outputs never depend on the store. Saves gather the blocks' K/V on the engine
+prefix hit the store holds, and plans `KVLoad`s); this connector moves the bytes. Loads run
+on store workers while the current step computes and land after it; the group computes
+from the next step on. A block that fails to load is computed instead, so outputs never
+depend on the store. Saves gather the blocks' K/V on the engine
 thread (their slots may be reused by the next step) and encode/write on store workers.
 Write-through saves every block once its KV is computed; write-back saves a block only
 when the device evicts it.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -20,7 +22,7 @@ import torch
 from kvpool.core.block_pool import KVEvents
 from kvpool.core.hashing import BlockHash
 from kvpool.engine.runner import ModelRunner
-from kvpool.sched.scheduler import Scheduler, SchedulerOutput
+from kvpool.sched.scheduler import KVLoad, Scheduler, SchedulerOutput
 from kvpool.store.kv_store import TieredKVStore
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ class KVStoreConnector:
         self.scheduler = scheduler
         self.write_back = write_policy == "write-back"
         self._loaded: set[BlockHash] = set()
+        self._inflight: list[tuple[KVLoad, Future[list[np.ndarray]]]] = []
         self._pending_stored: list[BlockHash] = []
         self.loaded_blocks = 0
         self.failed_loads = 0
@@ -42,20 +45,31 @@ class KVStoreConnector:
         return self.store.lookup(hashes)[0]
 
     def before_forward(self, out: SchedulerOutput, events: KVEvents) -> None:
-        """Fill planned external hits (fixing up short loads) and save blocks about to be
-        overwritten (write-back). Runs after schedule(), before the step's copies and writes."""
+        """Start the loads planned this step (they land while the step computes) and save the
+        blocks about to be overwritten (write-back). Runs after schedule(), before any write."""
         self._pending_stored.extend(events.stored)
         if self.write_back and events.evicted:
             self._save(list(zip(events.evicted, events.evicted_block_ids, strict=True)))
         for load in out.kv_loads:
-            blocks = self.store.load(load.hashes)
+            self._inflight.append((load, self.store.load_async(load.hashes)))
+
+    def complete_loads(self) -> None:
+        """Copy landed blocks into their device blocks and report them to the scheduler; a
+        block that did not load is computed instead, so outputs never depend on the store."""
+        inflight, self._inflight = self._inflight, []
+        for load, future in inflight:
+            blocks = future.result()
+            if not self.scheduler.kv_load_valid(load):
+                continue  # aborted or preempted meanwhile: its blocks are no longer its own
             if blocks:
                 self._write(load.block_ids[: len(blocks)], blocks)
                 self._loaded.update(load.hashes[: len(blocks)])
                 self.loaded_blocks += len(blocks)
             if len(blocks) < len(load.hashes):
                 self.failed_loads += len(load.hashes) - len(blocks)
-                self._recompute_from(out, load.seq, (load.start_block + len(blocks)) * self.scheduler.config.block_size)
+                logger.warning("KV store returned %d of %d planned blocks for sequence %d; computing the rest",
+                               len(blocks), len(load.hashes), load.seq.seq_id)
+            self.scheduler.finish_kv_load(load, len(blocks))
 
     def after_update(self, events: KVEvents) -> None:
         """Write-through: save the blocks whose KV this step computed (not the ones it loaded)."""
@@ -97,13 +111,3 @@ class KVStoreConnector:
         for (h, _), block in zip(items, data, strict=True):
             self.store.save_async(h, block)
         self.saved_blocks += len(items)
-
-    @staticmethod
-    def _recompute_from(out: SchedulerOutput, seq, position: int) -> None:
-        """A load came up short: compute from `position` in this step instead."""
-        for s in out.scheduled:
-            if s.seq is seq and s.start > position:
-                s.num_new_tokens += s.start - position
-                s.start = position
-        seq.num_computed_tokens = min(seq.num_computed_tokens, position)
-        logger.warning("KV store load came up short for sequence %d; recomputing from token %d", seq.seq_id, position)

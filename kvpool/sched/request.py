@@ -72,6 +72,7 @@ class SequenceGroup:
     num_preemptions: int = 0
     first_scheduled: bool = False
     forked: bool = False
+    pending_kv_loads: set[int] = field(default_factory=set)  # external KV loads in flight (ids)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -80,7 +81,10 @@ class SequenceGroup:
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, on the scheduler's hot path
+            return seqs if seqs[0].status is not SeqStatus.FINISHED else []
+        return [s for s in seqs if s.status is not SeqStatus.FINISHED]
 
     @property
     def is_finished(self) -> bool:

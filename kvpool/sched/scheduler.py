@@ -74,9 +74,12 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class KVLoad:
-    """Blocks of `seq` to fill from the external KV store before the step: `block_ids[i]`
-    receives the block named `hashes[i]`; they cover tokens [start_block*B, ...)."""
+    """Blocks of `seq` to fill from the external KV store: `block_ids[i]` receives the block
+    named `hashes[i]`; they cover tokens [start_block*B, ...). The group computes nothing
+    until the driver reports the load back (`finish_kv_load`), so the I/O overlaps a step."""
 
+    load_id: int
+    group: SequenceGroup
     seq: Sequence
     start_block: int
     hashes: list[BlockHash]
@@ -120,6 +123,7 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.groups: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
+        self._load_ids = itertools.count()
         self._watermark_blocks = int(config.watermark * config.num_blocks)
         self.num_preemptions = 0
         self.num_swapped_blocks = 0
@@ -178,6 +182,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             group = self.running[i]
+            if group.pending_kv_loads:
+                i += 1
+                continue
             need = self._tokens_wanted(group, budget)
             if need is None or num_seqs + len(group.live_seqs) > self.config.max_num_seqs:
                 break
@@ -212,6 +219,10 @@ class Scheduler:
             group = self.waiting[0]
             if num_seqs + len(group.live_seqs) > self.config.max_num_seqs or not self._admit(group, out):
                 break
+            if group.pending_kv_loads:  # computes from the next step on, once its KV has landed
+                self.waiting.popleft()
+                self.running.append(group)
+                continue
             need = self._tokens_wanted(group, budget)
             if need is None:
                 self._unadmit(group, out)
@@ -249,6 +260,23 @@ class Scheduler:
             self.finish_seq(group, seq, FinishReason.LENGTH)
             return True
         return False
+
+    def kv_load_valid(self, load: KVLoad) -> bool:
+        """The blocks a load was planned into still belong to its sequence (it was not
+        aborted or preempted meanwhile), so the driver may write them."""
+        seq = load.seq
+        if load.load_id not in load.group.pending_kv_loads or seq.seq_id not in self.kv.seqs:
+            return False
+        end = load.start_block + len(load.block_ids)
+        return self.kv.block_table(seq.seq_id)[load.start_block : end] == load.block_ids
+
+    def finish_kv_load(self, load: KVLoad, num_loaded: int) -> None:
+        """A planned load landed with its first `num_loaded` blocks; the rest is computed."""
+        load.group.pending_kv_loads.discard(load.load_id)
+        if num_loaded < len(load.hashes):
+            position = (load.start_block + num_loaded) * self.config.block_size
+            load.seq.num_computed_tokens = min(load.seq.num_computed_tokens, position)
+            self.num_external_hit_tokens -= (len(load.hashes) - num_loaded) * self.config.block_size
 
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence sharing every block of `parent` (copy-on-write on its next write)."""
@@ -321,11 +349,10 @@ class Scheduler:
         running groups while blocks are short. False when `group` itself was preempted, or
         when blocks are short and preempting is not allowed."""
         kv = self.kv
-        while True:
-            need = sum(
-                kv.append_blocks_needed(s.seq_id, len(s.token_ids) - kv.seq(s.seq_id).num_tokens)
-                for s in group.live_seqs
-            )
+        extras = [(s.seq_id, len(s.token_ids) - kv.seqs[s.seq_id].num_tokens) for s in group.live_seqs]
+        extras = [(sid, n) for sid, n in extras if n]
+        while extras:
+            need = sum(kv.append_blocks_needed(sid, n) for sid, n in extras)
             if need <= kv.num_free_blocks:
                 break
             if not may_preempt:
@@ -334,10 +361,8 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is group:
                 return False
-        for s in group.live_seqs:
-            extra = len(s.token_ids) - kv.seq(s.seq_id).num_tokens
-            if extra:
-                out.copies.extend(kv.append_slots(s.seq_id, extra))
+        for sid, n in extras:
+            out.copies.extend(kv.append_slots(sid, n))
         return True
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
@@ -345,7 +370,9 @@ class Scheduler:
         group.num_preemptions += 1
         out.preempted.append(group)
         seq_ids = [s.seq_id for s in group.live_seqs]
-        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
+        loading = bool(group.pending_kv_loads)  # its blocks are not filled yet: drop them, never swap
+        group.pending_kv_loads.clear()
+        if not loading and self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
             out.swap_out.extend(self.kv.swap_out(seq_ids))
             self.num_swapped_blocks += len(out.swap_out)
             for s in group.live_seqs:
@@ -383,8 +410,11 @@ class Scheduler:
                 external = self.external_kv(hashes[hit_blocks:limit])
             if external:
                 table = kv.block_table(seq.seq_id)
-                out.kv_loads.append(KVLoad(seq, hit_blocks, list(hashes[hit_blocks : hit_blocks + external]),
+                load_id = next(self._load_ids)
+                out.kv_loads.append(KVLoad(load_id, group, seq, hit_blocks,
+                                           list(hashes[hit_blocks : hit_blocks + external]),
                                            table[hit_blocks : hit_blocks + external]))
+                group.pending_kv_loads.add(load_id)
                 self.num_external_hit_tokens += external * B
             seq.num_computed_tokens = cached + external * B
             seq.status = SeqStatus.RUNNING
@@ -393,7 +423,8 @@ class Scheduler:
         return True
 
     def _unadmit(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        out.kv_loads = [ld for ld in out.kv_loads if ld.seq not in group.live_seqs]
+        out.kv_loads = [ld for ld in out.kv_loads if ld.group is not group]
+        group.pending_kv_loads.clear()
         for seq in group.live_seqs:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0

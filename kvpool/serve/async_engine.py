@@ -181,6 +181,7 @@ class AsyncEngine:
                 if isinstance(cmd, _Stop):
                     self._abort_all("the server is shutting down")
                     self.metrics.update(engine)
+                    engine.close()  # finishes pending KV store writes
                     return
                 self._apply(cmd)
             if engine.has_unfinished():

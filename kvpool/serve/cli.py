@@ -46,8 +46,10 @@ def main(args: argparse.Namespace) -> int:
     engine = Engine(engine_config_from_args(args))
     name = args.served_model_name or engine.loaded.name
     sched_cfg = engine.scheduler.config
+    metrics = ServerMetrics(name)
+    metrics.watch_store(engine)
     state = ServerState(
-        engine=AsyncEngine(engine, ServerMetrics(name), max_queue=args.max_queue),
+        engine=AsyncEngine(engine, metrics, max_queue=args.max_queue),
         tokenizer=engine.tokenizer, model_name=name, aliases=frozenset({engine.loaded.name}),
         max_model_len=engine.max_model_len, kv_capacity_tokens=sched_cfg.num_blocks * sched_cfg.block_size,
         api_key=args.api_key,

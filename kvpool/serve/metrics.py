@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpool.engine.outputs import RequestOutput
 
@@ -28,6 +29,48 @@ class EngineTotals:
     preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+
+
+class KVStoreCollector:
+    """Per-tier figures of the engine's tiered KV store, read at scrape time."""
+
+    _COUNTERS = (
+        ("hits", "hits", "Blocks found in the tier."),
+        ("misses", "misses", "Blocks looked for and not found in the tier."),
+        ("bytes_read", "bytes_loaded", "Bytes loaded from the tier."),
+        ("bytes_written", "bytes_stored", "Bytes stored to the tier."),
+        ("failed_puts", "failed_stores", "Stores the tier refused or failed (full, down)."),
+        ("errors", "errors", "Tier errors (unreachable pool, I/O errors)."),
+        ("load_time_s", "load_seconds", "Time spent loading from the tier."),
+        ("load_count", "loads", "Loads from the tier."),
+        ("store_time_s", "store_seconds", "Time spent storing to the tier."),
+        ("store_count", "stores", "Stores to the tier."),
+    )
+
+    def __init__(self, engine, model_name: str) -> None:
+        self._engine = engine
+        self._model = model_name
+
+    def collect(self):
+        connector = self._engine.kv_store
+        if connector is None:
+            return
+        stats = connector.store.stats()
+        for field, name, doc in self._COUNTERS:
+            fam = CounterMetricFamily(f"kvpool:kv_store_{name}", doc, labels=["model_name", "tier"])
+            for tier, st in stats.items():
+                fam.add_metric([self._model, tier], float(getattr(st, field)))
+            yield fam
+        for field, name, doc in (("used_bytes", "used_bytes", "Bytes the tier holds."),
+                                 ("capacity_bytes", "capacity_bytes", "The tier's byte budget.")):
+            fam = GaugeMetricFamily(f"kvpool:kv_store_{name}", doc, labels=["model_name", "tier"])
+            for tier, st in stats.items():
+                fam.add_metric([self._model, tier], float(getattr(st, field)))
+            yield fam
+        hit = CounterMetricFamily("kvpool:kv_store_hit_tokens", "Prompt tokens loaded from the store instead of "
+                                  "computed.", labels=["model_name"])
+        hit.add_metric([self._model], float(self._engine.scheduler.num_external_hit_tokens))
+        yield hit
 
 
 class ServerMetrics:
@@ -67,6 +110,11 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS)
         self._last = EngineTotals()
+
+    def watch_store(self, engine) -> None:
+        """Export the engine's tiered KV store (if it has one) on /metrics."""
+        if engine.kv_store is not None:
+            self.registry.register(KVStoreCollector(engine, self._model))
 
     def update(self, engine) -> None:
         """Refresh gauges and add the engine's progress since the last call (engine thread)."""

@@ -1,0 +1,74 @@
+"""Experiment 4: block size sweep (1..256 tokens) — slots lost in each sequence's last,
+partially filled block, and the latency that follows, on ShareGPT-like and Alpaca-like loads.
+
+The roofline cost model has no per-block kernel cost, so the small-block slowdown the vLLM
+paper measures on GPUs (gathers of many tiny blocks) does not appear here; a measured profile
+would carry it. What this sweep isolates is the memory effect of large blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvpool.sched.scheduler import SchedulerConfig
+from kvpool.sim.experiments.base import ExperimentResult, check_size, roofline
+from kvpool.sim.instance import run_instance
+from kvpool.sim.metrics import summarize
+from kvpool.sim.plots import plot_lines
+from kvpool.sim.workloads import WorkloadSpec, synthetic_workload
+
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_LEN = 2048
+RATES = {"sharegpt": 2.0, "alpaca": 20.0}  # near the paged system's capacity at 16-token blocks
+
+
+def sweep_point(lengths: str, block_size: int, n: int, seed: int) -> dict:
+    """One run at `block_size`: time-averaged empty share of allocated slots and latency."""
+    cost, blocks = roofline("opt-13b", "a100-40gb", block_size=block_size)
+    reqs = synthetic_workload(WorkloadSpec(num_requests=n, rate=RATES[lengths], lengths=lengths,
+                                           max_len=MAX_LEN, seed=seed))
+    cfg = SchedulerConfig(num_blocks=blocks, block_size=block_size, max_num_batched_tokens=MAX_LEN,
+                          max_model_len=MAX_LEN, enable_prefix_caching=False)
+    acc = [0.0, 0.0, 0]  # empty-slot share of allocated, batch, steps
+
+    def on_step(inst, now, res) -> None:
+        u = inst.sched.kv.usage()
+        allocated = u.used_blocks * u.block_size
+        acc[0] += u.empty_slots / allocated if allocated else 0.0
+        acc[1] += res.batch_size
+        acc[2] += 1
+
+    run = run_instance(reqs, cfg, cost, on_step=on_step)
+    s = summarize(run.metrics)
+    steps = max(acc[2], 1)
+    return {"workload": lengths, "block_size": block_size, "last_block_waste": acc[0] / steps,
+            "mean_batch": acc[1] / steps, "normalized_latency_s": s["normalized_latency_s"]["mean"],
+            "preemptions": run.instance.sched.num_preemptions}
+
+
+def run(size: str = "small", seed: int = 0, out: Path | None = None) -> ExperimentResult:
+    full = check_size(size)
+    n = 1000 if full else 120
+    rows = [sweep_point(w, b, n, seed) for w in RATES for b in BLOCK_SIZES]
+    plots = []
+    if out is not None:
+        by = {w: [r for r in rows if r["workload"] == w] for w in RATES}
+        plots.append(plot_lines(list(BLOCK_SIZES), {w: [r["last_block_waste"] for r in by[w]] for w in RATES},
+                                out / "block_size_waste.png", "block size (tokens)",
+                                "empty share of allocated KV slots", "Last-block waste vs block size"))
+        plots.append(plot_lines(list(BLOCK_SIZES), {w: [r["normalized_latency_s"] for r in by[w]] for w in RATES},
+                                out / "block_size_latency.png", "block size (tokens)",
+                                "mean normalized latency (s/token)", "Latency vs block size", logy=True))
+    return ExperimentResult(
+        "block_size", "Block size sweep: last-block waste and latency", rows,
+        {"requests": n, "rates_rps": RATES, "block_sizes": list(BLOCK_SIZES)}, plots,
+        setup=(f"OPT-13B on one A100-40GB, the real scheduler at each block size; {n} Poisson requests at "
+               f"{RATES['sharegpt']:g} req/s (ShareGPT-like) and {RATES['alpaca']:g} req/s (Alpaca-like), "
+               "rates near the 16-token system's capacity. last_block_waste = empty slots in allocated "
+               "blocks over allocated slots, averaged over steps. Roofline costs carry no per-block kernel "
+               "overhead, so small blocks show no slowdown here."),
+        finding=("Waste grows with the block size: a sequence loses up to block_size-1 slots, which matters "
+                 "most for short Alpaca-like sequences, where 128- and 256-token blocks leave most allocated "
+                 "slots empty, shrink the batch and raise latency. Up to 16-32 tokens the waste is a few "
+                 "percent and latency is flat."),
+    )
