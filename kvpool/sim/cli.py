@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sc = sub.add_parser("scale", help="the whole conversation trace through a 16-instance P/D cluster")
     sc.add_argument("--max-requests", type=int, default=None)
     sc.add_argument("--out", type=Path, default=Path("sim-out"))
+    from kvpool.sim import validate  # the engine (torch) only loads for this subcommand's run
+
+    validate.add_arguments(sub.add_parser("validate", help="the simulator against the real engine on this machine"))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -64,6 +67,10 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if cmd == "scale":
         return _scale(args)
+    if cmd == "validate":
+        from kvpool.sim import validate
+
+        return validate.main(args)
     res = get_experiment(cmd)("full" if args.full else "small", args.seed, args.out)
     res.write_json(args.out)
     print(res.table())

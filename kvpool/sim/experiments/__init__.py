@@ -11,10 +11,18 @@ from kvpool.sim.experiments.base import ExperimentResult
 # name -> module, in the report's order
 EXPERIMENTS = {
     "memory-waste": "memory_waste",
+    "concurrency": "concurrency",
+    "latency-rate": "latency_rate",
+    "block-size": "block_size",
+    "swap-recompute": "swap_recompute",
     "prefix-hit-rate": "prefix_hit_rate",
     "conductor-policies": "conductor_policies",
     "overload": "overload",
     "parallel-sampling": "parallel_sampling",
+    "shared-prefix": "shared_prefix",
+    "prefill-saved": "prefill_saved",
+    "storage-vs-compute": "storage_vs_compute",
+    "pipeline-prefill": "pipeline_prefill",
 }
 
 

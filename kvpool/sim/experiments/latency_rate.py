@@ -11,14 +11,19 @@ from the same roofline cost model.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpool.core.contiguous import ContiguousKVManager, MaxPolicy, OraclePolicy, Pow2Policy, ReservationPolicy
+from kvpool.core.contiguous import (
+    ContiguousKVManager,
+    MaxPolicy,
+    OraclePolicy,
+    Pow2Policy,
+    ReservationPolicy,
+)
 from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.cost_model import CostModel, StepBatch

@@ -1,0 +1,198 @@
+"""`kvpool bench profile`: measure the real engine's step times on this machine and write the
+profile `MeasuredCostModel.from_profile` fits (see kvpool/sim/cost_model.py for the schema).
+
+Workloads are shaped so the scheduler produces the steps we want to cover — prefill chunks
+with and without a cached prefix, decode batches of 1..64 at several context lengths, and
+mixed decode + prefill steps — and every `engine.step()` is timed whole (scheduling, block
+moves, forward, sampling), together with the shape the scheduler gave it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvpool.engine.config import EngineConfig, add_engine_args, engine_config_from_args
+from kvpool.engine.engine import Engine
+from kvpool.engine.outputs import RequestOutput
+from kvpool.errors import ConfigError
+from kvpool.sched.sampling_params import SamplingParams
+from kvpool.sched.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class ProfilePlan:
+    """What to measure; decode contexts and cached prefixes are rounded down to whole blocks."""
+
+    prefill_chunks: tuple[int, ...]
+    cached_prefixes: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    mixed: tuple[tuple[int, int], ...]  # (decode batch, prefill chunk)
+    decode_steps: int = 2
+
+
+PLANS = {
+    "default": ProfilePlan((32, 128, 256, 512, 1024), (0, 512), (1, 4, 16, 32, 64), (128, 512, 1024),
+                           ((8, 128), (8, 512), (32, 256))),
+    "quick": ProfilePlan((32, 256), (0, 256), (1, 8, 32), (128, 512), ((8, 256),)),
+    "tiny": ProfilePlan((16, 128), (0, 64), (1, 4), (64,), ((4, 64),), decode_steps=1),
+}
+
+
+class StepRecorder:
+    """Drives an engine step by step, timing each step and keeping its scheduled shape.
+
+    It wraps the scheduler's `schedule` to see the plan the step executes; the engine itself
+    is unchanged.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.samples: list[dict] = []
+        self._last: SchedulerOutput | None = None
+        self._schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = self._capture  # type: ignore[method-assign]
+
+    def _capture(self) -> SchedulerOutput:
+        self._last = self._schedule()
+        return self._last
+
+    def step(self) -> list[RequestOutput]:
+        self._last = None
+        start = time.perf_counter()
+        outs = self.engine.step()
+        seconds = time.perf_counter() - start
+        out = self._last
+        if out is not None and not out.is_empty:
+            self.samples.append({
+                "num_seqs": len(out.scheduled),
+                "new_tokens": [s.num_new_tokens for s in out.scheduled],
+                "context_lens": [s.start + s.num_new_tokens for s in out.scheduled],
+                "seconds": seconds,
+            })
+        return outs
+
+    def drain(self) -> None:
+        while self.engine.has_unfinished():
+            self.step()
+
+
+class _Prompts:
+    """Random token ids, fresh each call, so only prefixes we share on purpose are cached."""
+
+    def __init__(self, vocab: int, block_size: int, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.vocab, self.block_size = vocab, block_size
+
+    def fresh(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.vocab, size=max(n, 1)).tolist()
+
+    def blocks(self, n: int) -> list[int]:
+        """A fresh prompt of `n` tokens rounded down to whole blocks (at least one block)."""
+        return self.fresh(max(n // self.block_size, 1) * self.block_size)
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _prefill(rec: StepRecorder, prompts: _Prompts, chunk: int, cached: int) -> None:
+    prefix = prompts.blocks(cached) if cached else []
+    if prefix:
+        rec.engine.add_request(prefix, _params(1))
+        rec.drain()
+    rec.engine.add_request(prefix + prompts.fresh(chunk), _params(1))
+    rec.drain()
+
+
+def _start_decodes(rec: StepRecorder, prompts: _Prompts, batch: int, context: int, steps: int) -> None:
+    """`batch` requests sharing a cached prefix of about `context` tokens, each with a short own
+    tail, queued and run through their prefill step; `steps` decode steps remain."""
+    prefix = prompts.blocks(context - 8)
+    rec.engine.add_request(prefix, _params(1))
+    rec.drain()
+    for _ in range(batch):
+        rec.engine.add_request(prefix + prompts.fresh(8), _params(steps + 1))
+    rec.step()
+
+
+def profile_engine(engine: Engine, plan: ProfilePlan, seed: int = 0, progress: bool = True) -> list[dict]:
+    """Run `plan` on `engine` (which must have prefix caching on) and return the step samples."""
+    if not engine.scheduler.config.enable_prefix_caching:
+        raise ConfigError("bench profile needs prefix caching on: cached prefixes keep the setup short")
+    budget = engine.scheduler.config.max_num_batched_tokens
+    if max(plan.prefill_chunks) > budget:
+        raise ConfigError(f"prefill chunk {max(plan.prefill_chunks)} exceeds max_num_batched_tokens={budget}")
+    prompts = _Prompts(engine.loaded.config.vocab_size, engine.scheduler.config.block_size, seed)
+    rec = StepRecorder(engine)
+    engine.add_request(prompts.fresh(16), _params(2))  # warm-up, not recorded
+    while engine.has_unfinished():
+        engine.step()
+    jobs = [("prefill", c, p) for c in plan.prefill_chunks for p in plan.cached_prefixes]
+    jobs += [("decode", b, c) for b in plan.decode_batches for c in plan.decode_contexts]
+    jobs += [("mixed", b, c) for b, c in plan.mixed]
+    for kind, a, b in tqdm(jobs, desc="profile", unit="shape", disable=not progress):
+        if kind == "prefill":
+            _prefill(rec, prompts, a, b)
+        elif kind == "decode":
+            _start_decodes(rec, prompts, a, b, plan.decode_steps)
+            rec.drain()
+        else:
+            _start_decodes(rec, prompts, a, 256, plan.decode_steps)
+            engine.add_request(prompts.fresh(b), _params(1))
+            rec.drain()
+    return rec.samples
+
+
+def profile_document(engine: Engine, samples: list[dict], wall_s: float) -> dict:
+    cfg = engine.scheduler.config
+    return {
+        "model": "smollm2-135m" if engine.config.model is None else engine.loaded.name,
+        "hardware": "cpu" if engine.device.type == "cpu" else engine.device.type,
+        "block_size": cfg.block_size,
+        "engine": {"name": engine.loaded.name, "dtype": engine.config.dtype, "threads": torch.get_num_threads(),
+                   "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_blocks": cfg.num_blocks},
+        "wall_s": wall_s,
+        "samples": samples,
+    }
+
+
+def run_profile(config: EngineConfig, plan: str = "default", seed: int = 0,
+                engine: Engine | None = None) -> dict:
+    """Measure `plan` on a new engine (or the given one) and return the profile document."""
+    if plan not in PLANS:
+        raise ConfigError(f"unknown profile plan {plan!r}; choose one of {sorted(PLANS)}")
+    engine = engine or Engine(config)
+    start = time.perf_counter()
+    samples = profile_engine(engine, PLANS[plan], seed)
+    return profile_document(engine, samples, time.perf_counter() - start)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="fewer shapes (under a minute)")
+    p.add_argument("--out", type=Path, default=Path("profile.json"))
+    p.add_argument("--seed-workload", type=int, default=0)
+    add_engine_args(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    doc = run_profile(engine_config_from_args(args), "quick" if args.quick else "default", args.seed_workload)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    from kvpool.sim.cost_model import fit_step_model
+
+    fit = fit_step_model(doc["samples"])
+    print(f"{len(doc['samples'])} steps measured in {doc['wall_s']:.1f} s -> {args.out}; "
+          f"linear fit relative RMS error {fit.rel_rmse:.1%}")
+    return 0

@@ -1,0 +1,33 @@
+"""`kvpool kv calc`: when does loading a cached prefix beat recomputing it?"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from kvpool.sim.presets import HARDWARE, MODELS, get_hardware, get_model
+from kvpool.store.calc import DEFAULT_CONTEXTS, format_table, kv_calc_table
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="kv_command", required=True)
+    calc = sub.add_parser("calc", help="per-prefix KV bytes vs recompute FLOPs, and read time per tier")
+    calc.add_argument("--model", action="append", default=None,
+                      help=f"model preset, repeatable (default: llama2-70b and opt-13b); one of {sorted(MODELS)}")
+    calc.add_argument("--hardware", default="a100-80gb", help=f"one of {sorted(HARDWARE)}")
+    calc.add_argument("--context", type=int, action="append", default=None, help="prefix lengths in tokens")
+    calc.add_argument("--mfu", type=float, default=0.5, help="fraction of peak FLOPs a prefill reaches")
+    calc.add_argument("--json", default=None, help="also write the rows as JSON here")
+
+
+def main(args) -> int:
+    hardware = get_hardware(args.hardware)
+    rows = []
+    for name in args.model or ["llama2-70b", "opt-13b"]:
+        rows += kv_calc_table(get_model(name), hardware, args.context or DEFAULT_CONTEXTS, args.mfu)
+    print(format_table(rows))
+    print("x host / x disk / x net: recompute time over read time; above 1, storing beats recomputing.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2, sort_keys=True)
+    return 0

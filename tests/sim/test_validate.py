@@ -1,0 +1,108 @@
+"""The measured-profile path: `bench profile` writes a profile the simulator reads, a step model
+fitted to it reproduces the steps it saw, and `sim validate` compares both drivers."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kvpool.sched.scheduler import SchedulerConfig
+from kvpool.sim.cost_model import FEATURES, MeasuredCostModel, step_features
+from kvpool.sim.instance import simulate_offline
+from kvpool.sim.presets import get_hardware, get_model
+from kvpool.sim.validate import sim_requests
+
+LAW = (0.02, 0.001, 0.0005, 2e-8, 1e-6)  # seconds per FEATURES unit
+
+
+def _law_seconds(new_tokens, context_lens) -> float:
+    return float(np.dot(LAW, step_features(new_tokens, context_lens)))
+
+
+def test_simulator_reproduces_a_known_linear_step_law():
+    """A profile drawn from a known law: the fit recovers it, and the simulated makespan is the
+    law summed over the steps the real scheduler produces."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(40):
+        b = int(rng.integers(1, 33))
+        new = [int(rng.integers(1, 300))] + [1] * (b - 1)
+        ctx = [n + int(rng.integers(0, 800)) for n in new]
+        samples.append({"num_seqs": b, "new_tokens": new, "context_lens": ctx, "seconds": _law_seconds(new, ctx)})
+    cost = MeasuredCostModel.from_samples(samples, get_model("smollm2-135m"), get_hardware("cpu"), 16)
+    assert len(cost.fitted.coef) == len(FEATURES)
+    assert cost.fitted.rel_rmse < 1e-6
+    prompts = [list(range(n)) for n in (40, 97, 200, 33)]
+    cfg = SchedulerConfig(num_blocks=200, block_size=16, max_num_batched_tokens=256, max_model_len=1024)
+    shapes = []
+
+    class Recording:
+        def step_time(self, batch):
+            shapes.append((list(batch.new_tokens), list(batch.context_lens)))
+            return cost.step_time(batch)
+
+        def kv_transfer_time(self, n):
+            return cost.kv_transfer_time(n)
+
+    run = simulate_offline(sim_requests(prompts, 8, [0.0] * 4), cfg, Recording())
+    assert math.isclose(run.end_s, sum(_law_seconds(n, c) for n, c in shapes), rel_tol=1e-6)
+    assert all(m.output_len == 8 for m in run.metrics)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from kvpool.engine.config import EngineConfig
+    from kvpool.engine.engine import Engine
+
+    return Engine(EngineConfig(num_blocks=256, max_num_batched_tokens=512))
+
+
+@pytest.mark.slow
+def test_bench_profile_writes_a_profile_the_cost_model_reads(engine, tmp_path):
+    from kvpool.bench.profile import run_profile
+
+    doc = run_profile(engine.config, "tiny", engine=engine)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(doc))
+    cost = MeasuredCostModel.from_profile(path)
+    samples = doc["samples"]
+    assert all(len(s["new_tokens"]) == len(s["context_lens"]) == s["num_seqs"] and s["seconds"] > 0 for s in samples)
+    assert any(s["num_seqs"] >= 4 and set(s["new_tokens"]) == {1} for s in samples)  # a decode batch
+    assert any(s["num_seqs"] == 1 and s["context_lens"][0] > s["new_tokens"][0] > 1 for s in samples)  # cached prefix
+    assert cost.fitted.rel_rmse >= 0
+
+
+@pytest.mark.slow
+def test_fitted_model_predicts_the_engine_steps_it_was_fitted_on(engine):
+    """Fit quality: the simulator, with a model fitted to the steps of an offline engine run,
+    schedules the same steps and predicts their total time within 10%."""
+    from kvpool.bench.profile import StepRecorder
+    from kvpool.bench.throughput import make_workload
+    from kvpool.sched.sampling_params import SamplingParams
+
+    prompts = make_workload(8, 32, 256, engine.loaded.config.vocab_size, seed=3)
+    rec = StepRecorder(engine)
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    rec.drain()
+    engine.scheduler.schedule = rec._schedule  # unwrap for the next test
+    cost = MeasuredCostModel.from_samples(rec.samples, get_model("smollm2-135m"), get_hardware("cpu"), 16)
+    run = simulate_offline(sim_requests(prompts, 8, [0.0] * 8), engine.scheduler.config, cost)
+    assert run.instance.counters.steps == len(rec.samples)
+    measured = sum(s["seconds"] for s in rec.samples)
+    assert abs(run.end_s - measured) / measured <= 0.10
+
+
+@pytest.mark.slow
+def test_validate_compares_engine_and_simulator(engine):
+    from kvpool.bench.profile import run_profile
+    from kvpool.sim.validate import ValidateSpec, validate
+
+    profile = run_profile(engine.config, "tiny", engine=engine)
+    res = validate(profile, ValidateSpec(num_requests=6, output_len=8), engine)
+    assert [r["metric"] for r in res["rows"]] == ["offline output tokens/s", "poisson mean TTFT (s)",
+                                                   "poisson mean TPOT (s)"]
+    assert all(r["engine"] > 0 and r["sim"] > 0 and math.isfinite(r["rel_error"]) for r in res["rows"])
+    assert abs(res["rows"][0]["rel_error"]) < 0.5  # loose: the tiny profile and a shared CPU are noisy
