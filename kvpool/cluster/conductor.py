@@ -66,6 +66,7 @@ class ConductorStats:
     rejected_at_arrival: dict[str, int] = field(default_factory=dict)
     rejected_after_prefill: int = 0
     wasted_prefill_tokens: int = 0
+    failed: int = 0
     completed: int = 0
     slo_met: int = 0
     pulls: int = 0
@@ -311,6 +312,12 @@ class Conductor:
         self._drop(request_id)
         self.stats.rejected_after_prefill += 1
         self.stats.wasted_prefill_tokens += wasted_tokens
+
+    def on_failed(self, request_id: str) -> None:
+        """An admitted request ended without completing (instance failure, client gone)."""
+        self._get(request_id)
+        self._drop(request_id)
+        self.stats.failed += 1
 
     # -- views -------------------------------------------------------------------------
 

@@ -246,10 +246,10 @@ class Relay:
 
     async def close(self) -> None:
         """Release the upstream stream; a request that did not finish leaves the conductor's books
-        (counted as rejected after prefill with the work it wasted, or none)."""
+        as failed (instance failure or client gone)."""
         await self._close_stream()
         if self._routed:
             self._routed = False
             if not self._failed:
                 self.stats.aborted += 1
-            self.conductor.on_rejected_after_prefill(self.rid, 0)
+            self.conductor.on_failed(self.rid)

@@ -169,3 +169,14 @@ def test_bookkeeping_returns_to_idle_after_every_request_ends(history, rejection
         assert c.queued_prefill_tokens(inst) == 0
         assert c.decode_load(inst, now) == 0
         assert c.decode_load(inst, 0.0) == 0
+
+
+def test_a_failed_request_leaves_the_books_without_counting_as_wasted_prefill():
+    c = Conductor(["p0"], ["d0"], make_predictor(), ConductorConfig(policy="round-robin"))
+    c.update_load("d0", InstanceLoad(free_kv_blocks=1000, total_kv_blocks=1000))
+    assert c.route(make_request("r1"), now=0.0).accepted
+    c.on_failed("r1")
+    assert c.stats.failed == 1
+    assert c.stats.rejected_after_prefill == 0 and c.stats.wasted_prefill_tokens == 0
+    with pytest.raises(UnknownSequence):
+        c.on_failed("r1")
