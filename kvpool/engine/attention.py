@@ -34,7 +34,7 @@ class PrefillChunk:
     end: int  # one past the last input row
     seq_len: int  # context length after this step
     num_blocks: int  # blocks covering seq_len
-    mask: Tensor | None  # [qlen, seq_len] bool, None when the chunk is the whole context
+    mask: Tensor | None  # [qlen, seq_len] additive (0 / -inf), None when the chunk is the whole context
 
 
 @dataclass(slots=True)
@@ -53,7 +53,7 @@ class AttentionMetadata:
     decode_rows: Tensor  # [Sd] input rows of sequences with exactly one new token
     decode_block_ids: Tensor  # [Sd * decode_blocks] their block ids, flattened
     decode_blocks: int  # blocks gathered per decode row
-    decode_mask: Tensor  # [Sd, 1, 1, decode_blocks * block_size] bool: slot is in context
+    decode_mask: Tensor  # [Sd, 1, 1, decode_blocks * block_size] additive: 0 in context, -inf past it
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     @property
@@ -101,7 +101,8 @@ class AttentionMetadata:
         dec_max = max((seq_lens[i] for i in dec), default=0)
         dec_blocks = -(-dec_max // block_size)
         span = dec_blocks * block_size
-        dec_mask = (torch.arange(span) < s_t[dec_t].unsqueeze(1)).view(len(dec), 1, 1, span)
+        # Additive float masks: SDPA's CPU kernel takes a much slower path for boolean ones.
+        dec_mask = _additive((torch.arange(span) < s_t[dec_t].unsqueeze(1)).view(len(dec), 1, 1, span))
         prefills = []
         for i, q in enumerate(query_lens):
             if q == 1:
@@ -109,7 +110,7 @@ class AttentionMetadata:
             s, start = seq_lens[i], int(qsl[i])
             mask = None
             if s != q:  # cached context: token j sees positions <= s - q + j
-                mask = torch.arange(s).unsqueeze(0) <= torch.arange(s - q, s).unsqueeze(1)
+                mask = _additive(torch.arange(s).unsqueeze(0) <= torch.arange(s - q, s).unsqueeze(1))
                 mask = mask.to(device)
             prefills.append(PrefillChunk(i, start, start + q, s, -(-s // block_size), mask))
         return cls(
@@ -128,6 +129,14 @@ class AttentionMetadata:
             decode_mask=dec_mask.to(device),
             prefills=prefills,
         )
+
+
+def _additive(allowed: Tensor) -> Tensor:
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+
+
+def _mask_for(mask: Tensor | None, query: Tensor) -> Tensor | None:
+    return mask if mask is None or mask.dtype == query.dtype else mask.to(query.dtype)
 
 
 def write_kv(
@@ -168,7 +177,7 @@ def paged_attention(
             q[None],
             k[None],
             v[None],
-            attn_mask=chunk.mask,
+            attn_mask=_mask_for(chunk.mask, q),
             is_causal=chunk.mask is None,
             scale=scale,
             enable_gqa=True,
@@ -194,7 +203,7 @@ def _decode_attention(
     # The G query heads sharing a KV head become G query rows of that head: no K/V repeat.
     group = query.shape[1] // hkv
     q = query.index_select(0, meta.decode_rows).view(num, hkv, group, d)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_for(meta.decode_mask, q), scale=scale)
     return o.reshape(num, hkv * group, d)
 
 

@@ -35,6 +35,7 @@ class EngineConfig:
     seed: int = 0
     threads: int | None = None
     max_logprobs: int = 20
+    cpu_weight_packing: bool = True  # oneDNN-packed projections on CPU (faster; same results to rounding)
     kv_host_memory: str = "0"  # tiered store: host DRAM tier budget (0 = off)
     kv_disk_path: str | None = None
     kv_disk_size: str = "10GiB"

@@ -74,6 +74,7 @@ class Engine:
         self.runner = ModelRunner(
             self.loaded, num_blocks, config.block_size,
             num_host_blocks if config.preemption_mode == "swap" else 0, self.dtype, self.device,
+            pack_weights=config.cpu_weight_packing,
         )
         self.kv_store: KVStoreConnector | None = None
         if store is not None:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kvpool.engine.attention import AttentionMetadata
 from kvpool.engine.loader import LoadedModel
-from kvpool.engine.models.llama import allocate_kv_caches
+from kvpool.engine.models.llama import allocate_kv_caches, can_pack_weights
 from kvpool.sched.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -24,9 +24,11 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, num_blocks: int, block_size: int, num_host_blocks: int,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, pack_weights: bool = True,
     ) -> None:
         self.model = loaded.model
+        if pack_weights and can_pack_weights(device, dtype):
+            self.model.pack_cpu_weights()
         self.config = loaded.config
         self.block_size = block_size
         self.device = device

@@ -82,8 +82,8 @@ class SequenceGroup:
     @property
     def live_seqs(self) -> list[Sequence]:
         seqs = self.seqs
-        if len(seqs) == 1:  # the common case, on the scheduler's hot path
-            return seqs if seqs[0].status is not SeqStatus.FINISHED else []
+        if len(seqs) == 1:  # the common case, on the scheduler's hot path; a copy all the same
+            return seqs[:] if seqs[0].status is not SeqStatus.FINISHED else []
         return [s for s in seqs if s.status is not SeqStatus.FINISHED]
 
     @property

@@ -49,6 +49,7 @@ class _Sampling(_Body):
     # OpenAI fields without a kvpool implementation: accepted only when they change nothing
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension; `vllm bench serve` always sends 1.0
     logit_bias: dict[str, float] | None = None
 
     def check(self) -> None:
@@ -56,6 +57,8 @@ class _Sampling(_Body):
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) != 0.0:
                 raise InvalidRequest(f"{name} is not supported (must be 0)", param=name)
+        if self.repetition_penalty != 1.0:
+            raise InvalidRequest("repetition_penalty is not supported (must be 1)", param="repetition_penalty")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:

@@ -12,6 +12,13 @@ from kvpool.engine.loader import LoadedModel, default_model_path, load_model
 
 @pytest.fixture(scope="session")
 def loaded() -> LoadedModel:
+    """The model engines run (on CPU an engine packs its weights in place)."""
+    return load_model(None, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def plain_loaded() -> LoadedModel:
+    """A model no engine packs: the reference comparisons that need bit-level agreement."""
     return load_model(None, dtype=torch.float32)
 
 

@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model_reference import PROMPTS
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Once upon a time, in a land far away,",
-    "1, 2, 3, 4, 5, 6,",
-    "Translate to French: I like green apples.",
-    "Les élèves ont étudié 🤖 pendant",
-    "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n",
-    "   Indented text\n\twith tabs and    spaces",
-]
 GREEDY = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)  # as HF min_new_tokens
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvpool.engine.attention import AttentionMetadata
@@ -19,6 +20,11 @@ PROMPTS = [
     "   Indented text\n\twith tabs and    spaces",
 ]
 BLOCK_SIZE = 4
+
+
+@pytest.fixture
+def loaded(plain_loaded):
+    return plain_loaded
 
 
 class PagedSequence:
@@ -123,3 +129,19 @@ def test_config_reports_smollm2_shape_and_kv_size(loaded):
     per_block = cfg.kv_bytes_per_token(torch.float16) * 16
     assert num_blocks_for_budget(cfg, 10 * per_block + 1, 16, torch.float16) == 10
     assert loaded.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+
+
+def test_packed_cpu_weights_give_the_same_logits_and_greedy_tokens():
+    """The oneDNN-packed projections the engine uses on CPU match the plain model."""
+    from kvpool.engine.loader import load_model
+    from kvpool.engine.models.llama import can_pack_weights
+
+    if not can_pack_weights("cpu", torch.float32):
+        pytest.skip("this torch build has no oneDNN weight packing")
+    plain, packed = load_model(None), load_model(None)
+    packed.model.pack_cpu_weights()
+    for prompt in PROMPTS:
+        ids = plain.tokenizer.encode(prompt)
+        a, b = PagedSequence(plain).step(ids), PagedSequence(packed).step(ids)
+        assert (a - b).abs().max().item() <= 1e-3
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -169,3 +169,12 @@ def test_preempted_parallel_group_larger_than_budget_still_finishes():
     assert d.s.num_preemptions >= 1
     assert sorted(res) == ["other0", "other1", "other2", "wide"]
     assert all(len(x) == 100 for x in res["wide"])
+
+
+def test_live_seqs_is_a_copy_callers_may_iterate_while_the_group_changes():
+    d = Driver(num_blocks=64, block_size=4)
+    g = d.add("a", list(range(10)), max_tokens=5)
+    live = g.live_seqs
+    d.s.kv.allocate(g.seqs[0].seq_id, g.seqs[0].token_ids)
+    d.s.fork(g, g.seqs[0])
+    assert len(live) == 1 and len(g.live_seqs) == 2

@@ -31,12 +31,22 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "hi", "temperature_typo": 0.5}, "temperature_typo"),
     ({"prompt": "hi", "presence_penalty": 1.0}, "presence_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 1.3}, "repetition_penalty"),
     ({"prompt": "word " * 1100, "max_tokens": 4}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
 ])
 def test_bad_completion_parameters_are_400_naming_the_param(server, model_id, body, param):
     assert_error(post(server, "/v1/completions", json={"model": model_id, **body}), 400, param)
+
+
+def test_vllm_bench_serve_payload_is_accepted(server, model_id):
+    """`vllm bench serve` sends neutral vLLM extensions (repetition_penalty 1.0, logprobs null)."""
+    body = {"model": model_id, "prompt": "Hello there", "repetition_penalty": 1.0, "max_tokens": 3,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    r = post(server, "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.text.rstrip().endswith("data: [DONE]")
 
 
 def test_malformed_json_is_400(server):
