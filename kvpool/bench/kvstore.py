@@ -35,7 +35,8 @@ class StoreRunResult:
 
 
 def run_sessions(engine: Engine, sessions: int, turns: int, system_len: int, question_len: int,
-                 answer_len: int, vocab: int, seed: int, label: str) -> StoreRunResult:
+                 answer_len: int, vocab: int, seed: int, label: str, concurrency: int) -> StoreRunResult:
+    """Turn by turn, sessions in order, `concurrency` requests in flight at a time."""
     rng = np.random.default_rng(seed)
     system = rng.integers(0, vocab, size=system_len).tolist()
     history = [list(system) for _ in range(sessions)]
@@ -44,16 +45,17 @@ def run_sessions(engine: Engine, sessions: int, turns: int, system_len: int, que
     device_hits0 = engine.scheduler.kv.stats.hits_tokens
     start = time.perf_counter()
     for _ in tqdm(range(turns), desc=label, unit="turn", leave=False):
-        ids = {}
-        for s in range(sessions):
-            history[s] += rng.integers(0, vocab, size=question_len).tolist()
-            ids[engine.add_request(list(history[s]), params)] = s
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    m = out.metrics
-                    ttfts.append(m.first_token_time - m.arrival_time)
-                    history[ids[out.request_id]] += out.outputs[0].token_ids
+        for first in range(0, sessions, concurrency):
+            ids = {}
+            for s in range(first, min(sessions, first + concurrency)):
+                history[s] += rng.integers(0, vocab, size=question_len).tolist()
+                ids[engine.add_request(list(history[s]), params)] = s
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        m = out.metrics
+                        ttfts.append(m.first_token_time - m.arrival_time)
+                        history[ids[out.request_id]] += out.outputs[0].token_ids
     elapsed = time.perf_counter() - start
     if engine.kv_store is not None:
         engine.kv_store.store.flush()
@@ -70,6 +72,7 @@ def add_arguments(p) -> None:
     p.add_argument("--system-len", type=int, default=256)
     p.add_argument("--question-len", type=int, default=64)
     p.add_argument("--answer-len", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight at a time")
     p.add_argument("--configs", default="off,host,host+disk,remote",
                    help="comma list of off | host | host+disk | disk | remote")
     p.add_argument("--json", default=None)
@@ -94,14 +97,16 @@ def main(args) -> int:
             engine = Engine(cfg, loaded=loaded)
             try:
                 results.append(run_sessions(engine, args.sessions, args.turns, args.system_len, args.question_len,
-                                            args.answer_len, loaded.config.vocab_size, 0, name))
+                                            args.answer_len, loaded.config.vocab_size, 0, name,
+                                            args.concurrency))
             finally:
                 engine.close()
                 if redis is not None:
                     redis.stop()
                     redis = None
     ref = next((r for r in results if r.config == "off"), results[0])
-    print(f"{args.sessions} sessions x {args.turns} turns, device pool {base.num_blocks} blocks x {base.block_size}")
+    print(f"{args.sessions} sessions x {args.turns} turns, {args.concurrency} in flight, "
+          f"device pool {base.num_blocks} blocks x {base.block_size}")
     print(f"{'store':<10} {'prefill tok':>11} {'store hits':>10} {'device hits':>11} {'TTFT mean':>10} "
           f"{'TTFT p99':>9} {'prefill x':>9} {'TTFT x':>7}")
     for r in results:
