@@ -1,7 +1,8 @@
 """`kvpool bench cluster`: the real local cluster under two workloads, one fresh cluster per run.
 
 - `policies`: many requests over a few long shared documents; prefix hit rate (prompt tokens
-  the prefill instance reused, from its device cache or the pool) and mean TTFT per routing policy.
+  the prefill instance reused, from its device cache or the pool; and from its device cache alone)
+  and mean TTFT per routing policy.
 - `rejection`: a decode pool driven past capacity (tiny KV budget, few sequences, short queue);
   requests rejected at arrival, refused after prefill, wasted prefill tokens, completed and
   SLO attainment per rejection mode.
@@ -70,9 +71,19 @@ def _run(spec: ClusterSpec, bodies: list[dict], rate: float, seed: int) -> dict:
         statuses = asyncio.run(_drive(cluster.conductor_url, bodies, rate, seed))
         time.sleep(0.5)
         state = httpx.get(cluster.conductor_url + "/cluster").json()
+        local = sum(_metric(url, "kvpool:prefix_cache_hits_total") for url in cluster.urls("prefill"))
     finally:
         cluster.down()
-    return {"statuses": statuses, "cluster": state}
+    return {"statuses": statuses, "cluster": state, "local_hit_tokens": local}
+
+
+def _metric(url: str, name: str) -> float:
+    """Sum of one Prometheus series (all labels) on an instance's /metrics."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def policies(args: argparse.Namespace) -> list[dict]:
@@ -88,6 +99,7 @@ def policies(args: argparse.Namespace) -> list[dict]:
         g = out["cluster"]["gateway"]
         rows.append({"policy": policy, "completed": g["completed"],
                      "hit_rate": g["cached_prompt_tokens"] / max(1, g["prompt_tokens"]),
+                     "local_hit_rate": out["local_hit_tokens"] / max(1, g["prompt_tokens"]),
                      "mean_ttft_s": g["mean_ttft_s"], "pulls": out["cluster"]["stats"]["pulls"],
                      "statuses": out["statuses"]})
         print(json.dumps(rows[-1]), flush=True)
