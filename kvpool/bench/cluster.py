@@ -26,7 +26,9 @@ BASE_ARGS = ["--max-model-len", "1024", "--threads", "1"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("experiment", choices=("policies", "rejection", "all"))
-    parser.add_argument("--pool", choices=("redis", "mooncake"), default="redis")
+    parser.add_argument("--pool", choices=("redis", "mooncake", "none"), default="redis",
+                        help="none: colocated instances (--role both) with no shared pool")
+    parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per prefill instance")
     parser.add_argument("--policies", default="random,least-load,cache-aware,kv-centric")
     parser.add_argument("--documents", type=int, default=4)
     parser.add_argument("--doc-sentences", type=int, default=20, help="~20 tokens each")
@@ -71,7 +73,8 @@ def _run(spec: ClusterSpec, bodies: list[dict], rate: float, seed: int) -> dict:
         statuses = asyncio.run(_drive(cluster.conductor_url, bodies, rate, seed))
         time.sleep(0.5)
         state = httpx.get(cluster.conductor_url + "/cluster").json()
-        local = sum(_metric(url, "kvpool:prefix_cache_hits_total") for url in cluster.urls("prefill"))
+        local = sum(_metric(url, "kvpool:prefix_cache_hits_total")
+                    for url in cluster.urls("prefill") + cluster.urls("both"))
     finally:
         cluster.down()
     return {"statuses": statuses, "cluster": state, "local_hit_tokens": local}
@@ -93,8 +96,12 @@ def policies(args: argparse.Namespace) -> list[dict]:
                "max_tokens": 4, "temperature": 0} for i in range(args.requests)]
     rows = []
     for policy in args.policies.split(","):
-        spec = ClusterSpec(prefill=2, decode=1, pool=args.pool, instance_args=[*BASE_ARGS, "--num-blocks", "256"],
-                           conductor_args=["--policy", policy])
+        instance_args = [*BASE_ARGS, "--num-blocks", str(args.num_blocks)]
+        if args.pool == "none":
+            spec = ClusterSpec(colocated=2, pool="none", instance_args=instance_args, conductor_args=["--policy", policy])
+        else:
+            spec = ClusterSpec(prefill=2, decode=1, pool=args.pool, instance_args=instance_args,
+                               conductor_args=["--policy", policy])
         out = _run(spec, bodies, args.rate, args.seed)
         g = out["cluster"]["gateway"]
         rows.append({"policy": policy, "completed": g["completed"],
