@@ -9,6 +9,7 @@ then copies.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch import Tensor
@@ -25,10 +26,14 @@ class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, num_blocks: int, block_size: int, num_host_blocks: int,
         dtype: torch.dtype, device: torch.device, pack_weights: bool = True,
+        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
     ) -> None:
         self.model = loaded.model
         if pack_weights and can_pack_weights(device, dtype):
             self.model.pack_cpu_weights()
+            start = time.perf_counter()
+            self.model.warm_up_packed(max_num_batched_tokens + max_num_seqs, max_num_seqs)
+            logger.info("CPU kernels for every batch shape built in %.1fs", time.perf_counter() - start)
         self.config = loaded.config
         self.block_size = block_size
         self.device = device

@@ -145,3 +145,15 @@ def test_packed_cpu_weights_give_the_same_logits_and_greedy_tokens():
         a, b = PagedSequence(plain).step(ids), PagedSequence(packed).step(ids)
         assert (a - b).abs().max().item() <= 1e-3
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_packed_rows_are_padded_to_few_shapes_and_sliced_back():
+    from kvpool.engine.models.llama import PackedLinear, row_bucket
+
+    assert len({row_bucket(r) for r in range(1, 2305)}) < 80
+    assert all(r <= row_bucket(r) <= r + max(7, r // 8) for r in range(1, 2305))
+    w = torch.randn(48, 32)
+    lin = PackedLinear(w, None)
+    for rows in (1, 9, 70, 300):
+        x = torch.randn(rows, 32)
+        assert torch.allclose(lin(x), x @ w.T, atol=1e-4)
