@@ -136,8 +136,9 @@ class Conductor:
         match = self.index.prefix_match(req.block_hashes)
         queued = {p: v.queued for p, v in self._prefill.items()}
         threshold = cfg.replication_threshold if cfg.policy == "kv-centric" else None
+        held = {inst: self.index.num_blocks(inst) for _, inst in candidates}
         options = estimate_options(
-            req.prompt_len, match, candidates, queued, self.predictor, cfg.block_size, threshold
+            req.prompt_len, match, candidates, queued, self.predictor, cfg.block_size, threshold, held
         )
         best_ttft = min(o.ttft for o in options)
         if cfg.ttft_slo_s is not None and best_ttft > cfg.ttft_slo_s:

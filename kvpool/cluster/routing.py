@@ -28,6 +28,7 @@ class PrefillOption:
     cached_blocks: int
     pull_from: str | None = None
     pull_blocks: int = 0
+    held_blocks: int = 0  # all blocks the instance caches: cache-aware ties go to the emptiest
 
 
 def usable_blocks(blocks: int, prompt_len: int, block_size: int) -> int:
@@ -54,9 +55,11 @@ def estimate_options(
     predictor: StepTimePredictor,
     block_size: int,
     replication_threshold: float | None,
+    held: Mapping[str, int] | None = None,
 ) -> list[PrefillOption]:
     """Options for each (order, instance id) candidate. `replication_threshold` None disables
-    pulls (every policy but kv-centric computes only with what an instance holds)."""
+    pulls (every policy but kv-centric computes only with what an instance holds). `held` is
+    how many blocks each instance caches in all."""
     sources = _best_sources(match, queued) if replication_threshold is not None else []
     options = []
     for order, inst in candidates:
@@ -65,7 +68,8 @@ def estimate_options(
         own = usable_blocks(match.get(inst, 0), prompt_len, block_size)
         cached = own * block_size
         ttft = queue_s + predictor.prefill_time(prompt_len - cached, cached)
-        option = PrefillOption(inst, order, q, own, ttft, own)
+        h = held.get(inst, 0) if held else 0
+        option = PrefillOption(inst, order, q, own, ttft, own, held_blocks=h)
         src = next((s for s in sources if s[0] != inst), None)
         if src is not None:
             best = usable_blocks(src[1], prompt_len, block_size)
@@ -77,7 +81,7 @@ def estimate_options(
                     + predictor.prefill_time(prompt_len - pulled, pulled)
                 )
                 if ttft_pull < ttft:
-                    option = PrefillOption(inst, order, q, own, ttft_pull, best, src[0], best - own)
+                    option = PrefillOption(inst, order, q, own, ttft_pull, best, src[0], best - own, h)
         options.append(option)
     return options
 
@@ -87,10 +91,11 @@ def least_load(options: Sequence[PrefillOption]) -> PrefillOption:
 
 
 def cache_aware(options: Sequence[PrefillOption]) -> PrefillOption:
-    """Longest prefix held; ties go to the least loaded."""
-    return min(options, key=lambda o: (-o.own_blocks, o.queued_tokens, o.order))
+    """Longest prefix held; ties go to the least loaded, then to the emptiest cache, so that
+    new prefixes spread over the instances instead of piling onto the first idle one."""
+    return min(options, key=lambda o: (-o.own_blocks, o.queued_tokens, o.held_blocks, o.order))
 
 
 def kv_centric(options: Sequence[PrefillOption]) -> PrefillOption:
-    """Smallest estimated TTFT (pulls included); ties go to the least loaded."""
-    return min(options, key=lambda o: (o.ttft, o.queued_tokens, o.order))
+    """Smallest estimated TTFT (pulls included); ties as in cache_aware."""
+    return min(options, key=lambda o: (o.ttft, o.queued_tokens, o.held_blocks, o.order))

@@ -43,6 +43,18 @@ def test_cache_aware_breaks_prefix_ties_by_least_load(predictor):
     assert c.route(make_request("r"), 0.0).prefill_id == "p1"
 
 
+@pytest.mark.parametrize("policy", ["cache-aware", "kv-centric"])
+def test_a_new_prefix_goes_to_the_emptiest_idle_cache(predictor, policy):
+    """Idle instances tie on prefix and load: new documents spread by cache occupancy instead
+    of all landing on the first instance (which would thrash its cache)."""
+    c = conductor(predictor, policy)
+    other_doc = [bytes([200, i]) for i in range(30)]
+    c.index.on_stored("p0", other_doc[:30])
+    c.index.on_stored("p1", other_doc[:10])
+    c.index.on_stored("p2", other_doc[:20])
+    assert c.route(make_request("r"), 0.0).prefill_id == "p1"
+
+
 def test_kv_centric_avoids_a_hot_instance_and_pulls_its_prefix(predictor):
     c = conductor(predictor, "kv-centric", prefill=("hot", "idle"))
     c.index.on_stored("hot", CHAIN[:20])
