@@ -1,6 +1,8 @@
 """Block shapes and data shared by the store tests."""
 
 import importlib.util
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -41,3 +43,24 @@ def serve(service: LocalService) -> Iterator[LocalService]:
         yield service
     finally:
         service.stop()
+
+
+def retry_until(action, attempts: int, pause_s: float, what: str) -> None:
+    """Repeat `action()` until it returns true; a bounded wait for a restarted pool to be seen
+    again (the tier backs off between reconnects), not a speed target."""
+    for _ in range(attempts):
+        if action():
+            return
+        time.sleep(pause_s)
+    raise AssertionError(f"{what} did not recover after {attempts} attempts")
+
+
+def race_put(writers, key: str, value: bytes) -> list[bool]:
+    """Every writer puts the same immutable block at once; returns each put's result."""
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda w=w: results.append(w.put(key, value))) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results

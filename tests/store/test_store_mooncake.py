@@ -1,10 +1,17 @@
 import logging
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
-from store_helpers import DTYPE, NAMESPACE, SHAPE, make_block, needs_mooncake, serve
+from store_helpers import (
+    DTYPE,
+    NAMESPACE,
+    SHAPE,
+    make_block,
+    needs_mooncake,
+    race_put,
+    retry_until,
+    serve,
+)
 
 from kvpool.core.hashing import hash_blocks
 from kvpool.store.host import HostTier
@@ -35,12 +42,7 @@ def test_put_get_lookup_round_trip(mooncake_master):
 def test_concurrent_writers_of_one_block_are_harmless(mooncake_master):
     writers = [MooncakeTier(url(mooncake_master)) for _ in range(3)]
     value = b"v" * 100_000
-    results: list[bool] = []
-    threads = [threading.Thread(target=lambda t=t: results.append(t.put("race:k", value))) for t in writers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = race_put(writers, "race:k", value)
     assert any(results)
     assert all(w.get("race:k") == value for w in writers)
     for w in writers:
@@ -81,10 +83,7 @@ def test_killed_master_degrades_to_misses_with_one_warning_then_recovers(tmp_pat
         warnings = [r for r in caplog.records if "unreachable" in r.message]
         assert len(warnings) == 1 and tier.stats().errors >= 1
         master.start()
-        deadline = time.monotonic() + 30
-        while not tier.put("k:3", b"three"):
-            assert time.monotonic() < deadline, "mooncake tier did not recover"
-            time.sleep(0.2)
+        retry_until(lambda tier=tier: tier.put("k:3", b"three"), attempts=150, pause_s=0.2, what="mooncake tier")
         assert tier.get("k:3") == b"three" and not tier.health.down
         tier.close()
 

@@ -1,11 +1,18 @@
 import logging
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from store_helpers import DTYPE, NAMESPACE, SHAPE, make_block, needs_redis, serve
+from store_helpers import (
+    DTYPE,
+    NAMESPACE,
+    SHAPE,
+    make_block,
+    needs_redis,
+    race_put,
+    retry_until,
+    serve,
+)
 
 from kvpool.core.hashing import hash_blocks
 from kvpool.store.host import HostTier
@@ -35,12 +42,7 @@ def test_put_get_lookup_round_trip(redis_server):
 def test_concurrent_writers_of_one_block_are_harmless(redis_server):
     writers = [RedisTier(url(redis_server)) for _ in range(4)]
     value = b"v" * 50_000
-    results: list[bool] = []
-    threads = [threading.Thread(target=lambda t=t: results.append(t.put("race:k", value))) for t in writers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = race_put(writers, "race:k", value)
     assert results == [True] * 4
     assert writers[0].get("race:k") == value
     assert sum(w.stats().bytes_written for w in writers) == len(value)  # NX: one write landed
@@ -79,10 +81,7 @@ def test_killed_server_degrades_to_misses_with_one_warning_then_recovers(tmp_pat
         warnings = [r for r in caplog.records if "unreachable" in r.message]
         assert len(warnings) == 1 and tier.stats().errors >= 1
         service.start()
-        deadline = time.monotonic() + 20
-        while not tier.put("k:3", b"three"):
-            assert time.monotonic() < deadline, "redis tier did not recover"
-            time.sleep(0.1)
+        retry_until(lambda tier=tier: tier.put("k:3", b"three"), attempts=200, pause_s=0.1, what="redis tier")
         assert tier.get("k:3") == b"three" and not tier.health.down
 
 
