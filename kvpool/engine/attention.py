@@ -60,6 +60,10 @@ class AttentionMetadata:
     def num_decodes(self) -> int:
         return int(self.decode_rows.shape[0])
 
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
     @classmethod
     def build(
         cls,
@@ -160,6 +164,8 @@ def paged_attention(
     gather; results are the same without it."""
     if query.is_cuda and _triton_usable(k_cache, meta.block_size):
         return _triton_paged_attention(query, k_cache, v_cache, meta, scale)
+    if not meta.prefills:  # decode-only step: rows are the decode rows, in order
+        return _decode_attention(query, k_cache, v_cache, meta, scale)
     out = torch.empty_like(query)
     if meta.num_decodes:
         out[meta.decode_rows] = _decode_attention(query, k_cache, v_cache, meta, scale)
@@ -202,7 +208,8 @@ def _decode_attention(
     v = v_cache.index_select(0, meta.decode_block_ids).view(num, span, hkv, d).transpose(1, 2)
     # The G query heads sharing a KV head become G query rows of that head: no K/V repeat.
     group = query.shape[1] // hkv
-    q = query.index_select(0, meta.decode_rows).view(num, hkv, group, d)
+    q = query if not meta.prefills else query.index_select(0, meta.decode_rows)
+    q = q.view(num, hkv, group, d)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_for(meta.decode_mask, q), scale=scale)
     return o.reshape(num, hkv * group, d)
 

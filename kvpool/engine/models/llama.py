@@ -192,16 +192,18 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> Tensor:
-        t = x.shape[0]
+        t = meta.num_tokens  # x may carry padding rows past them (see LlamaForCausal.forward)
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x)[:t]
         qk = apply_rotary(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), cos, sin)
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, new_kv=(k, v))
-        return self.o_proj(out.reshape(t, h * d))
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, new_kv=(k, v)).reshape(t, h * d)
+        if x.shape[0] != t:
+            out = torch.cat((out, out.new_zeros(x.shape[0] - t, h * d)))
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -298,11 +300,18 @@ class LlamaForCausal(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> Tensor:
+        num_tokens = input_ids.shape[0]
+        if self._packed_head is not None:
+            # Pad once to the packed kernels' row bucket so the MLP and QKV projections take
+            # their input as is (attention runs on the real rows only, o_proj pads its own).
+            padded = row_bucket(num_tokens)
+            if padded != num_tokens:
+                input_ids = torch.cat((input_ids, input_ids.new_zeros(padded - num_tokens)))
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+        return self.norm(x[:num_tokens])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
