@@ -112,10 +112,17 @@ class Engine:
         )
 
     def drain_kv_events(self) -> KVEvents:
-        """Block hashes registered / evicted in the device cache since the last call
-        (needs `publish_kv_events`), for a conductor's global index."""
+        """The device cache's net change since the last call (needs `publish_kv_events`), for
+        a conductor's global index: each hash registered or evicted meanwhile appears once, as
+        stored if the cache holds it now, else as evicted. (The raw lists lose the order
+        between a block's eviction and its re-registration, so replaying them could drop a
+        block the cache holds.)"""
         events, self._published = self._published, KVEvents()
-        return events
+        pool = self.scheduler.kv.pool
+        net = KVEvents()
+        for h in dict.fromkeys(events.stored + events.evicted):
+            (net.stored if pool.lookup(h) is not None else net.evicted).append(h)
+        return net
 
     def load_report(self) -> dict[str, int]:
         sched = self.scheduler

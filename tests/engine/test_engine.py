@@ -145,3 +145,20 @@ def test_prefix_cache_hit_is_reported_and_output_unchanged(loaded):
     second = run_all(engine, [prompt], GREEDY)[0]
     assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 48
     assert first.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_published_kv_events_replay_to_what_the_cache_holds(loaded):
+    """A conductor applies a drain's stored, then evicted hashes; a block evicted and
+    registered again between two drains must still end up held in that replay."""
+    engine = make_engine(loaded, num_blocks=12, block_size=4, publish_kv_events=True)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    a, b = list(range(100, 140)), list(range(200, 240))  # 10 blocks each: b must evict a
+    index: set[bytes] = set()
+    for prompts in ([a], [b], [a]):  # b evicts a's blocks, then a comes back: no drain between
+        run_all(engine, prompts, params)
+    events = engine.drain_kv_events()
+    index.update(events.stored)
+    index.difference_update(events.evicted)
+    held = {blk.block_hash for blk in engine.scheduler.kv.pool.blocks if blk.block_hash is not None}
+    assert held and index == held
+    assert engine.drain_kv_events().stored == []
