@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvpool.cluster.decode_view import DecodeView
+from kvpool.cluster.decode_view import DecodeView, decode_fit
 from kvpool.cluster.index import POOL, GlobalKVIndex
 from kvpool.cluster.predictor import StepTimePredictor
 from kvpool.cluster.records import ConductorConfig, InstanceLoad, RouteDecision, RouteRequest
@@ -39,7 +39,7 @@ class _Admitted:
     prefill_epoch: int
     max_tokens: int
     tbt: float
-    ctx: float
+    ctx: int
     blocks: int
     start: float
     finish: float
@@ -137,9 +137,9 @@ class Conductor:
         queued = {p: v.queued for p, v in self._prefill.items()}
         threshold = cfg.replication_threshold if cfg.policy == "kv-centric" else None
         held = {inst: self.index.num_blocks(inst) for _, inst in candidates}
-        options = estimate_options(
-            req.prompt_len, match, candidates, queued, self.predictor, cfg.block_size, threshold, held
-        )
+        busy = {inst: self._decode[inst].committed().requests for _, inst in candidates}
+        options = estimate_options(req.prompt_len, match, candidates, queued, self.predictor, cfg.block_size,
+                                   threshold, held, busy, cfg.pull_from_peers)
         best_ttft = min(o.ttft for o in options)
         if cfg.ttft_slo_s is not None and best_ttft > cfg.ttft_slo_s:
             return self._reject("ttft_slo", best_ttft)
@@ -201,33 +201,32 @@ class Conductor:
         self, req: RouteRequest, chosen: PrefillOption, now: float
     ) -> tuple[str, float] | None:
         """The decode instance with the smallest predicted TBT with this request added, among
-        those within the TBT SLO and KV capacity (unless rejection is "none")."""
+        those within the TBT SLO and KV capacity (unless rejection is "none"). Returns it
+        with the TBT that sets the request's predicted decode interval."""
         cfg = self.config
         ids = self._decode_ids or [chosen.instance_id]
-        ctx = req.prompt_len + req.max_tokens / 2
-        blocks = math.ceil((req.prompt_len + req.max_tokens) / cfg.block_size)
         at = now + chosen.ttft
-        best: tuple[bool, float, int, int, str] | None = None
+        ctx, blocks = self._decode_footprint(req)
+        best: tuple[bool, float, int, int, str, float] | None = None
         for order, d in enumerate(ids):
             if d in self._down:
                 continue
-            view = self._decode[d]
-            load = view.load_at(at) if cfg.rejection == "predictive" else view.committed(now)
-            tracked = max(0, load - view.untracked)
-            tbt = self.predictor.decode_step_time(load + 1, int(view.context_tokens(tracked) + ctx))
-            fits = cfg.tbt_slo_s is None or tbt <= cfg.tbt_slo_s
-            total = view.report.total_kv_blocks
-            if total and view.kv_blocks(tracked) + blocks > total:
-                fits = False
-            key = (not fits, tbt, load, order, d)
+            fit = decode_fit(self._decode[d], self.predictor, cfg.rejection, cfg.tbt_slo_s, ctx, blocks,
+                             req.max_tokens, at)
+            key = (not fit.fits, fit.tbt, fit.requests, order, d, fit.interval_tbt)
             if best is None or key < best:
                 best = key
         if best is None:
             return None
-        overloaded, tbt, _, _, decode_id = best
+        overloaded, _, _, _, decode_id, interval_tbt = best
         if overloaded and cfg.rejection != "none":
             return None
-        return decode_id, tbt
+        return decode_id, interval_tbt
+
+    def _decode_footprint(self, req: RouteRequest) -> tuple[int, int]:
+        """(mean context tokens, KV blocks at its longest) of `req` while it decodes."""
+        ctx = req.prompt_len + req.max_tokens // 2
+        return ctx, math.ceil((req.prompt_len + req.max_tokens) / self.config.block_size)
 
     def _admit(
         self, req: RouteRequest, chosen: PrefillOption, decode_id: str, tbt: float, now: float
@@ -236,6 +235,7 @@ class Conductor:
         view = self._prefill[chosen.instance_id]
         view.added += uncached
         start = now + chosen.ttft
+        ctx, blocks = self._decode_footprint(req)
         rec = _Admitted(
             prefill_id=chosen.instance_id,
             decode_id=decode_id,
@@ -244,8 +244,8 @@ class Conductor:
             prefill_epoch=view.epoch,
             max_tokens=req.max_tokens,
             tbt=tbt,
-            ctx=req.prompt_len + req.max_tokens / 2,
-            blocks=math.ceil((req.prompt_len + req.max_tokens) / self.config.block_size),
+            ctx=ctx,
+            blocks=blocks,
             start=start,
             finish=start + req.max_tokens * tbt,
         )
@@ -283,7 +283,7 @@ class Conductor:
         rec.start, rec.finish = now, now + rec.max_tokens * rec.tbt
         rec.in_decode = True
         rec.prefill_done_at = now
-        self._decode[rec.decode_id].start_decode(old, (rec.start, rec.finish))
+        self._decode[rec.decode_id].start_decode(old, (rec.start, rec.finish), rec.ctx, rec.blocks)
 
     def _drop(self, request_id: str) -> _Admitted:
         rec = self._admitted.pop(request_id)
@@ -331,10 +331,12 @@ class Conductor:
     def decode_load(self, instance_id: str, at: float) -> int:
         """Requests predicted to be decoding on `instance_id` at time `at`."""
         self._check_known(instance_id)
-        return self._decode[instance_id].load_at(at)
+        return self._decode[instance_id].load_at(at).requests
 
     def snapshot(self, now: float | None = None) -> dict:
-        """A JSON-ready view for the gateway's /cluster endpoint."""
+        """A JSON-ready view for the gateway's /cluster endpoint. Per decode instance:
+        `decode_load` running or promised requests, `decoding_now` those predicted to be
+        decoding at `now` (when given)."""
         s = self.stats
         instances = {}
         for inst, view in self._decode.items():
@@ -354,8 +356,9 @@ class Conductor:
                 entry["queued_prefill_tokens"] = self._prefill[inst].queued
             else:
                 entry["role"] = "decode"
+            entry["decode_load"] = view.committed().requests
             if now is not None:
-                entry["decode_load"] = view.committed(now)
+                entry["decoding_now"] = view.load_at(now).requests
             instances[inst] = entry
         return {
             "policy": self.config.policy,

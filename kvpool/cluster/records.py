@@ -15,13 +15,18 @@ REJECTIONS = ("none", "early", "predictive")
 @dataclass(frozen=True, slots=True)
 class ConductorConfig:
     """`ttft_slo_s`/`tbt_slo_s` None means no SLO. `replication_threshold` is the prefix
-    length ratio (best elsewhere / own) from which kv-centric considers pulling blocks."""
+    length ratio (best elsewhere / own) from which kv-centric considers pulling blocks.
+    `pull_from_peers`: kv-centric may pull from another instance, not only from the shared
+    pool. The simulator can model such transfers; the real cluster moves KV only through the
+    pool (which holds every instance's blocks, written through), so it must leave this off:
+    without a pool a "pull" from a peer would be a full recompute."""
 
     policy: str = "kv-centric"
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
     rejection: str = "none"
     replication_threshold: float = 2.0
+    pull_from_peers: bool = False
     block_size: int = 16
     seed: int = 0
 

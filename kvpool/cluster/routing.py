@@ -29,6 +29,7 @@ class PrefillOption:
     pull_from: str | None = None
     pull_blocks: int = 0
     held_blocks: int = 0  # all blocks the instance caches: cache-aware ties go to the emptiest
+    busy: int = 0  # requests running on or promised to it: least-load ties go to the idlest
 
 
 def usable_blocks(blocks: int, prompt_len: int, block_size: int) -> int:
@@ -56,11 +57,15 @@ def estimate_options(
     block_size: int,
     replication_threshold: float | None,
     held: Mapping[str, int] | None = None,
+    busy: Mapping[str, int] | None = None,
+    pull_from_peers: bool = False,
 ) -> list[PrefillOption]:
     """Options for each (order, instance id) candidate. `replication_threshold` None disables
-    pulls (every policy but kv-centric computes only with what an instance holds). `held` is
-    how many blocks each instance caches in all."""
-    sources = _best_sources(match, queued) if replication_threshold is not None else []
+    pulls (every policy but kv-centric computes only with what an instance holds); without
+    `pull_from_peers` only the pool is a pull source. `held` is how many blocks each instance
+    caches in all, `busy` how many requests it runs."""
+    holders = match if pull_from_peers else {k: v for k, v in match.items() if k == POOL}
+    sources = _best_sources(holders, queued) if replication_threshold is not None else []
     options = []
     for order, inst in candidates:
         q = queued.get(inst, 0)
@@ -69,7 +74,8 @@ def estimate_options(
         cached = own * block_size
         ttft = queue_s + predictor.prefill_time(prompt_len - cached, cached)
         h = held.get(inst, 0) if held else 0
-        option = PrefillOption(inst, order, q, own, ttft, own, held_blocks=h)
+        b = busy.get(inst, 0) if busy else 0
+        option = PrefillOption(inst, order, q, own, ttft, own, held_blocks=h, busy=b)
         src = next((s for s in sources if s[0] != inst), None)
         if src is not None:
             best = usable_blocks(src[1], prompt_len, block_size)
@@ -81,13 +87,16 @@ def estimate_options(
                     + predictor.prefill_time(prompt_len - pulled, pulled)
                 )
                 if ttft_pull < ttft:
-                    option = PrefillOption(inst, order, q, own, ttft_pull, best, src[0], best - own, h)
+                    option = PrefillOption(inst, order, q, own, ttft_pull, best, src[0], best - own, h, b)
         options.append(option)
     return options
 
 
 def least_load(options: Sequence[PrefillOption]) -> PrefillOption:
-    return min(options, key=lambda o: (o.queued_tokens, o.order))
+    """Smallest prefill queue; ties (idle queues are common at moderate load) go to the
+    instance running the fewest requests, so a colocated instance busy decoding is not
+    taken for idle."""
+    return min(options, key=lambda o: (o.queued_tokens, o.busy, o.order))
 
 
 def cache_aware(options: Sequence[PrefillOption]) -> PrefillOption:

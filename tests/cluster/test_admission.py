@@ -1,11 +1,15 @@
 """SLO admission, decode selection, early vs predictive rejection, and driver bookkeeping."""
 
+import copy
+from dataclasses import replace
+
 import pytest
 from cluster_helpers import BLOCK, CHAIN, make_predictor, make_request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.cluster import Conductor, ConductorConfig, InstanceLoad
+from kvpool.cluster.decode_view import DecodeView
 from kvpool.errors import UnknownSequence
 
 # With the fixture's predictor a decode step of b sequences takes 0.01 + 0.01 b seconds,
@@ -180,3 +184,82 @@ def test_a_failed_request_leaves_the_books_without_counting_as_wasted_prefill():
     assert c.stats.rejected_after_prefill == 0 and c.stats.wasted_prefill_tokens == 0
     with pytest.raises(UnknownSequence):
         c.on_failed("r1")
+
+
+def test_decode_load_sums_the_blocks_and_context_of_the_requests_alive_then():
+    view = DecodeView()
+    for _ in range(10):
+        view.add(0.0, 1.0, ctx=20, blocks=2)  # ten small requests decoding now
+    view.add(5.0, 6.0, ctx=1500, blocks=92)  # one long prompt, decoding later
+    now = view.load_at(0.5)
+    assert (now.requests, now.kv_blocks, now.context_tokens) == (10, 20, 200)
+    later = view.load_at(5.5)
+    assert (later.requests, later.kv_blocks) == (1, 92)
+    assert view.peak(0.5, 5.5).kv_blocks == 92
+    assert view.committed().kv_blocks == 112
+
+
+def _promise_a_long_prompt(c: Conductor) -> None:
+    """A 1460-token prompt (92 KV blocks with its output) on p0: decoding from ~1.46 s."""
+    c.update_load("d0", InstanceLoad(free_kv_blocks=100, total_kv_blocks=100))
+    d = c.route(make_request("long-prompt", blocks=60, extra=500), 0.0)
+    assert (d.accepted, d.prefill_id) == (True, "p0")
+
+
+def test_a_long_prompt_promised_later_does_not_count_against_requests_decoding_now(predictor):
+    c = conductor(predictor, prefill=("p0", "p1"), rejection="predictive")
+    _promise_a_long_prompt(c)
+    for i in range(10):  # 2 blocks each, decoding from 0.2 s until before 1.46 s
+        assert c.route(make_request(f"s{i}", blocks=1, max_tokens=10), 0.0).accepted
+        c.on_prefill_done(f"s{i}", 0.2)
+    assert c.route(make_request("next", blocks=1, max_tokens=5), 0.25).accepted  # 20 + 2 blocks
+
+
+def test_predictive_keeps_the_room_promised_to_a_request_whose_prefill_ends_later(predictor):
+    c = conductor(predictor, prefill=("p0", "p1"), rejection="predictive")
+    _promise_a_long_prompt(c)
+    # prefilled on p1 at once, then 200 steps: still decoding when the long prompt arrives
+    d = c.route(make_request("long-decode", blocks=1, extra=0, max_tokens=200), 0.0)
+    assert (d.accepted, d.reason) == (False, "decode_overloaded")
+
+
+def test_predictive_admits_a_request_that_finishes_before_a_promised_one_starts(predictor):
+    decisions = {}
+    for rejection in ("early", "predictive"):
+        c = conductor(predictor, prefill=("p0", "p1"), rejection=rejection)
+        _promise_a_long_prompt(c)
+        decisions[rejection] = c.route(make_request("short", blocks=10, extra=0, max_tokens=40), 0.0)
+    assert not decisions["early"].accepted  # 92 + 13 blocks promised > 100
+    assert decisions["predictive"].accepted  # decodes over ~[0.16, 1.0) s, before 1.46 s
+
+
+def test_used_blocks_count_against_decode_only_for_untracked_running_requests(predictor):
+    c = conductor(predictor, rejection="early")
+    c.update_load("d0", InstanceLoad(running_decode_reqs=0, free_kv_blocks=10, total_kv_blocks=100))
+    assert c.route(make_request("a", max_tokens=10), 0.0).accepted  # 21 blocks; nothing runs
+    c.update_load("d0", InstanceLoad(running_decode_reqs=1, free_kv_blocks=10, total_kv_blocks=100))
+    d = c.route(make_request("b", max_tokens=10), 0.0)  # 90 blocks of an untracked request + 21 + 21
+    assert (d.accepted, d.reason) == (False, "decode_overloaded")
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops, st.integers(0, 30), st.integers(1, 400))
+def test_predictive_admits_whatever_early_admits_in_the_same_state(history, blocks, max_tokens):
+    c = conductor(make_predictor(), prefill=("p0", "p1"), decode=("d0", "d1"), tbt_slo_s=0.08)
+    for inst in ("d0", "d1"):
+        c.update_load(inst, InstanceLoad(free_kv_blocks=120, total_kv_blocks=120))
+    routed: list[str] = []
+    now = 0.0
+    for step, (op, n) in enumerate(history):  # rejection "none": every request is admitted
+        now += 0.01 * n
+        if op == "route":
+            c.route(make_request(f"r{step}", blocks=n % 5, max_tokens=n + 1), now)
+            routed.append(f"r{step}")
+        elif op == "prefill" and routed:
+            c.on_prefill_done(routed[n % len(routed)], now)
+    accepted = {}
+    for rejection in ("early", "predictive"):
+        twin = copy.deepcopy(c)
+        twin.config = replace(c.config, rejection=rejection)
+        accepted[rejection] = twin.route(make_request("x", blocks=blocks % 21, max_tokens=max_tokens), now).accepted
+    assert accepted["predictive"] or not accepted["early"]

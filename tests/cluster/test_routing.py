@@ -56,7 +56,7 @@ def test_a_new_prefix_goes_to_the_emptiest_idle_cache(predictor, policy):
 
 
 def test_kv_centric_avoids_a_hot_instance_and_pulls_its_prefix(predictor):
-    c = conductor(predictor, "kv-centric", prefill=("hot", "idle"))
+    c = conductor(predictor, "kv-centric", prefill=("hot", "idle"), pull_from_peers=True)
     c.index.on_stored("hot", CHAIN[:20])
     c.index.on_stored("idle", CHAIN[:2])
     c.update_load("hot", InstanceLoad(queued_prefill_tokens=10_000))  # ~10 s of queue
@@ -66,6 +66,19 @@ def test_kv_centric_avoids_a_hot_instance_and_pulls_its_prefix(predictor):
     # transfer 1 ms + 18 x 1 ms, then the 1 uncached token at 1 ms
     assert d.predicted_ttft == pytest.approx(0.019 + 0.001)
     assert c.stats.pulls == 1 and c.stats.pulled_blocks == 18
+
+
+def test_kv_centric_pulls_only_from_the_pool_unless_peers_can_serve_pulls(predictor):
+    """The real cluster moves KV only through the pool: without one, a pull from a peer
+    would be a full recompute, so the hot holder's prefix is not offered as a source."""
+    c = conductor(predictor, "kv-centric", prefill=("hot", "idle"))
+    c.index.on_stored("hot", CHAIN[:20])
+    c.update_load("hot", InstanceLoad(queued_prefill_tokens=10_000))
+    d = c.route(make_request("r", blocks=20), now=0.0)
+    assert (d.prefill_id, d.pull_from, d.cached_blocks) == ("idle", None, 0)
+    c.index.on_stored(POOL, CHAIN[:20])
+    d = c.route(make_request("r2", blocks=20), now=0.0)
+    assert (d.prefill_id, d.pull_from, d.cached_blocks) == ("idle", POOL, 20)
 
 
 def test_kv_centric_prefers_the_pool_as_pull_source(predictor):
@@ -108,6 +121,14 @@ def test_full_prompt_hit_still_recomputes_the_last_token(predictor):
     c.index.on_stored("a", CHAIN[:4])
     d = c.route(make_request("r", blocks=4, extra=0), now=0.0)
     assert d.cached_blocks == 3
+
+
+def test_least_load_breaks_queue_ties_by_requests_running(predictor):
+    c = conductor(predictor, "least-load", decode=())
+    c.update_load("p0", InstanceLoad(running_decode_reqs=3))
+    c.update_load("p1", InstanceLoad(running_decode_reqs=1))
+    c.update_load("p2", InstanceLoad(running_decode_reqs=2))
+    assert c.route(make_request("r"), 0.0).prefill_id == "p1"
 
 
 def test_round_robin_cycles_and_skips_down_instances(predictor):

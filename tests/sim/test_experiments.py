@@ -5,7 +5,13 @@ import math
 from kvpool.cluster.records import ConductorConfig
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.cluster import ClusterConfig, SimCluster
-from kvpool.sim.experiments import memory_waste, overload, parallel_sampling, prefix_hit_rate
+from kvpool.sim.experiments import (
+    conductor_policies,
+    memory_waste,
+    overload,
+    parallel_sampling,
+    prefix_hit_rate,
+)
 from kvpool.sim.experiments.base import roofline
 from kvpool.sim.metrics import summarize, to_json
 from kvpool.sim.traces import TraceOptions, load_mooncake_trace
@@ -49,6 +55,33 @@ def test_early_and_predictive_rejection_waste_less_prefill_than_none():
     assert wasted["none"] > 0
     assert wasted["early"] < wasted["none"]
     assert wasted["predictive"] < wasted["none"]
+
+
+def test_predictive_rejection_completes_more_than_early_and_wastes_nothing_on_equal_prompts():
+    cost, blocks = roofline("llama2-70b", "a800-80gb", tp=8)
+    options = TraceOptions(max_requests=150, max_prompt_len=overload.CAPPED_PROMPT)
+    reqs = load_mooncake_trace("conversation", options)
+    runs = {}
+    for rejection in ("early", "predictive"):
+        config = overload.overload_config(rejection, blocks, 0, 4, overload.CAPPED_DECODE_KV_SHARE)
+        runs[rejection] = SimCluster(config, cost).run(reqs)
+    done = {k: sum(m.done for m in r.metrics) for k, r in runs.items()}
+    assert done["predictive"] > done["early"]
+    assert runs["predictive"].wasted_prefill_tokens == 0
+
+
+def test_kv_aware_routing_partitions_documents_that_one_instance_cannot_hold():
+    rows = {r["system"]: r for r in conductor_policies.documents_rows(conductor_policies.DocumentsWorkload())}
+    for kv_aware in ("cache-aware", "kv-centric"):
+        for blind in ("random", "least-load"):
+            assert rows[kv_aware]["hit_rate"] > rows[blind]["hit_rate"] + 0.3
+            assert rows[kv_aware]["ttft_mean_s"] * 2 < rows[blind]["ttft_mean_s"]
+
+
+def test_documents_that_fit_every_instance_leave_little_to_route_for():
+    roomy = conductor_policies.DocumentsWorkload(blocks_per_instance=1000)
+    rows = {r["system"]: r for r in conductor_policies.documents_rows(roomy)}
+    assert rows["cache-aware"]["hit_rate"] - rows["random"]["hit_rate"] < 0.2  # only 2 more cold misses per doc
 
 
 def _shared_documents(num_docs: int = 6, per_doc: int = 12) -> list[SimRequest]:
