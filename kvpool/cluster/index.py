@@ -9,7 +9,7 @@ only the blocks it holds contiguously from block 0, which is what a prefill can 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import islice
+from itertools import takewhile
 
 from kvpool.core.hashing import BlockHash
 
@@ -17,76 +17,47 @@ POOL = "pool"
 
 
 class GlobalKVIndex:
-    """hash -> set of instances holding it, and the reverse map for O(held) removal."""
+    """Per instance, the set of block hashes it holds. KV events arrive by the thousand blocks
+    (a long prompt), so storing and evicting are whole-set operations; a prefix match walks
+    only the instances holding block 0, each as far as it matches."""
 
-    __slots__ = ("_where", "_held")
+    __slots__ = ("_held",)
 
     def __init__(self) -> None:
-        self._where: dict[BlockHash, set[str]] = {}
         self._held: dict[str, set[BlockHash]] = {}
 
     def on_stored(self, instance_id: str, hashes: Iterable[BlockHash]) -> None:
         """`instance_id` now holds these blocks (re-storing a held block is a no-op)."""
-        held = self._held.setdefault(instance_id, set())
-        for h in hashes:
-            if h not in held:
-                held.add(h)
-                self._where.setdefault(h, set()).add(instance_id)
+        self._held.setdefault(instance_id, set()).update(hashes)
 
     def on_evicted(self, instance_id: str, hashes: Iterable[BlockHash]) -> None:
         """`instance_id` dropped these blocks; unknown blocks are ignored (events may race)."""
         held = self._held.get(instance_id)
         if not held:
             return
-        for h in hashes:
-            if h in held:
-                held.discard(h)
-                self._drop(h, instance_id)
+        held.difference_update(hashes)
         if not held:
             del self._held[instance_id]
 
     def on_instance_down(self, instance_id: str) -> None:
         """Forget everything `instance_id` held: its memory is gone or unreachable."""
-        for h in self._held.pop(instance_id, ()):
-            self._drop(h, instance_id)
-
-    def _drop(self, h: BlockHash, instance_id: str) -> None:
-        holders = self._where[h]
-        holders.discard(instance_id)
-        if not holders:
-            del self._where[h]
+        self._held.pop(instance_id, None)
 
     def prefix_match(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """For each instance holding block 0, how many leading blocks it holds contiguously.
-
-        Walks the chain while some instance still matches; an instance drops out at its first
-        missing block. Cost is O(matched blocks x holders), never O(all blocks cached).
-        """
+        Cost is O(instances + matched blocks), never O(all blocks cached)."""
         if not hashes:
             return {}
-        first = self._where.get(hashes[0])
-        if not first:
-            return {}
-        alive = set(first)
-        result: dict[str, int] = {}
-        depth = 1
-        for holders in map(self._where.get, islice(hashes, 1, None)):
-            if holders is None:
-                break
-            if not alive <= holders:
-                for inst in alive - holders:
-                    result[inst] = depth
-                alive &= holders
-                if not alive:
-                    return result
-            depth += 1
-        for inst in alive:
-            result[inst] = depth
-        return result
+        first = hashes[0]
+        return {
+            inst: len(list(takewhile(held.__contains__, hashes)))
+            for inst, held in self._held.items()
+            if first in held
+        }
 
     def holders(self, h: BlockHash) -> frozenset[str]:
         """Instances holding block `h` (empty when none)."""
-        return frozenset(self._where.get(h, ()))
+        return frozenset(inst for inst, held in self._held.items() if h in held)
 
     def num_blocks(self, instance_id: str) -> int:
         """How many blocks `instance_id` is known to hold."""
@@ -94,8 +65,8 @@ class GlobalKVIndex:
 
     def instances(self) -> list[str]:
         """Instances holding at least one block, sorted."""
-        return sorted(self._held)
+        return sorted(inst for inst, held in self._held.items() if held)
 
     def __len__(self) -> int:
-        """Distinct blocks cached anywhere."""
-        return len(self._where)
+        """Distinct blocks cached anywhere (O(all blocks held): for reports, not routing)."""
+        return len(set().union(*self._held.values()))

@@ -7,21 +7,34 @@ A block is in exactly one of three states:
   free       ref_count == 0, no hash: in the free list.
 Allocation takes free blocks first and evicts cached blocks in policy order only when
 the free list is empty. Every operation is O(1) per block.
+
+Per-block state is three lists indexed by block id (reference counts, tokens held, hashes)
+rather than an object per block: a simulated cluster holds millions of blocks and moves
+thousands per request, and lists of small ints are compact and cheap to walk. `blocks` gives
+read-only `Block` snapshots for inspection.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
+from typing import overload
 
 from kvpool.core.hashing import BlockHash
 from kvpool.core.policies import EvictionPolicy, make_policy
 from kvpool.errors import ConfigError, KVStateError, OutOfBlocks
 
 MAX_BLOCK_SIZE = 256
+_found = partial(is_not, None)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Block:
+    """One block's state at the moment it was read."""
+
     block_id: int
     ref_count: int = 0
     num_tokens: int = 0
@@ -35,6 +48,29 @@ class KVEvents:
     stored: list[BlockHash] = field(default_factory=list)
     evicted: list[BlockHash] = field(default_factory=list)
     evicted_block_ids: list[int] = field(default_factory=list)  # where each evicted hash lived
+
+
+class BlockView(Sequence[Block]):
+    """A pool's blocks as read-only snapshots: `pool.blocks[i]`, `for b in pool.blocks`."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_blocks
+
+    @overload
+    def __getitem__(self, i: int) -> Block: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Block]: ...
+
+    def __getitem__(self, i: int | slice) -> Block | list[Block]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        p = self._pool
+        block_id = range(p.num_blocks)[i]
+        return Block(block_id, p.ref_counts[block_id], p.block_tokens[block_id], p.block_hashes[block_id])
 
 
 class BlockPool:
@@ -55,7 +91,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.block_tokens: list[int] = [0] * num_blocks  # slots holding (or reserved for) a token
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields block 0 first
         self._evictable: EvictionPolicy = make_policy(eviction_policy)
         self._cached: dict[BlockHash, int] = {}
@@ -64,6 +102,10 @@ class BlockPool:
         self.num_evictions = 0
 
     # -- queries ---------------------------------------------------------------------------
+    @property
+    def blocks(self) -> BlockView:
+        return BlockView(self)
+
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take now: free plus cached-evictable."""
@@ -86,53 +128,89 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)
 
+    def lookup_run(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[int]:
+        """The cached blocks of the longest run of `hashes` from the first (at most
+        `max_blocks`): a prefix hit, walked at C speed because prompts span thousands of blocks."""
+        return list(takewhile(_found, map(self._cached.get, islice(hashes, max_blocks))))
+
+    def count_idle(self, block_ids: Iterable[int]) -> int:
+        """How many of `block_ids` are at ref_count 0 (cached and evictable)."""
+        return list(map(self.ref_counts.__getitem__, block_ids)).count(0)
+
     def cached_items(self) -> list[tuple[BlockHash, int]]:
         return list(self._cached.items())
 
     # -- mutations -------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` blocks at ref_count 1, evicting cached blocks in policy order if needed."""
+    def allocate(self, n: int, num_tokens: int = 0) -> list[int]:
+        """Take `n` blocks at ref_count 1, free ones first, then evicting cached blocks in
+        policy order. They hold `num_tokens` tokens, `block_size` per block from the first."""
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} KV blocks, only {self.num_free} of {self.num_blocks} are free")
-        out = []
-        for _ in range(n):
-            if self._free:
-                block = self.blocks[self._free.pop()]
-            else:
-                block = self.blocks[self._evictable.pop_victim()]
-                self._uncache(block)
-                self.num_evictions += 1
-            block.ref_count = 1
-            block.num_tokens = 0
-            out.append(block.block_id)
+        free = self._free
+        take = min(n, len(free))
+        out = free[len(free) - take :]
+        del free[len(free) - take :]
+        out.reverse()  # the order pop() would give
+        if take < n:
+            out.extend(self._evict(n - take))
+            self.num_evictions += n - take
+        ref, tokens = self.ref_counts, self.block_tokens
+        B, left = self.block_size, num_tokens
+        for b in out:
+            ref[b] = 1
+            tokens[b] = fill = B if left >= B else left
+            left -= fill
+        self._tokens_in_use += num_tokens - left
         return out
 
     def incref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            if block.block_hash is None:
-                raise KVStateError(f"block {block_id} is free; allocate it instead of sharing it")
-            self._evictable.remove(block_id)
-            self._tokens_in_use += block.num_tokens
-        block.ref_count += 1
+        self.incref_all((block_id,))
+
+    def incref_all(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each block; cached ones leave the eviction order."""
+        ref, tokens, hashes = self.ref_counts, self.block_tokens, self.block_hashes
+        idle: list[int] = []
+        try:
+            for b in block_ids:
+                rc = ref[b]
+                if rc == 0:
+                    if hashes[b] is None:
+                        raise KVStateError(f"block {b} is free; allocate it instead of sharing it")
+                    idle.append(b)
+                    self._tokens_in_use += tokens[b]
+                ref[b] = rc + 1
+        finally:
+            self._evictable.remove_many(idle)
 
     def decref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count <= 0:
-            raise KVStateError(f"block {block_id} is already free (double free)")
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self._tokens_in_use -= block.num_tokens
-            if block.block_hash is not None:
-                self._evictable.insert(block_id)
-            else:
-                block.num_tokens = 0
-                self._free.append(block_id)
+        self.release((block_id,))
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block, in order: a block reaching 0 becomes cached
+        (evictable, in this order) if it has a hash, else free."""
+        ref, tokens, hashes, free = self.ref_counts, self.block_tokens, self.block_hashes, self._free
+        cached: list[int] = []
+        released = 0
+        try:
+            for b in block_ids:
+                rc = ref[b]
+                if rc <= 0:
+                    raise KVStateError(f"block {b} is already free (double free)")
+                ref[b] = rc - 1
+                if rc == 1:
+                    released += tokens[b]
+                    if hashes[b] is not None:
+                        cached.append(b)
+                    else:
+                        tokens[b] = 0
+                        free.append(b)
+        finally:
+            self._tokens_in_use -= released
+            self._evictable.insert_many(cached)
 
     def add_tokens(self, block_id: int, n: int) -> None:
         """Record `n` more slots of an in-use block as holding tokens."""
-        block = self.blocks[block_id]
-        block.num_tokens += n
+        self.block_tokens[block_id] += n
         self._tokens_in_use += n
 
     def register(self, block_id: int, block_hash: BlockHash) -> bool:
@@ -140,14 +218,28 @@ class BlockPool:
         holds that content (the duplicate then stays private and is freed normally)."""
         if not self.enable_caching:
             return False
-        block = self.blocks[block_id]
-        if block.block_hash is not None or block_hash in self._cached:
-            return block.block_hash == block_hash
-        block.block_hash = block_hash
+        current = self.block_hashes[block_id]
+        if current is not None or block_hash in self._cached:
+            return current == block_hash
+        self.block_hashes[block_id] = block_hash
         self._cached[block_hash] = block_id
         if self.events is not None:
             self.events.stored.append(block_hash)
         return True
+
+    def register_many(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        """`register` each block under the hash at the same position."""
+        if not self.enable_caching:
+            return
+        current = self.block_hashes
+        stored = self.events.stored if self.events is not None else None
+        setdefault = self._cached.setdefault
+        for b, h in zip(block_ids, hashes, strict=True):
+            # an unregistered block is in no entry, so setdefault returns b only if h was new
+            if current[b] is None and setdefault(h, b) == b:
+                current[b] = h
+                if stored is not None:
+                    stored.append(h)
 
     def touch(self, block_id: int) -> None:
         """A cached-evictable block was looked up again (LRU refresh, LFU count)."""
@@ -156,22 +248,31 @@ class BlockPool:
 
     def evict_all_cached(self) -> int:
         """Drop every cached block not in use (reset the prefix cache); return how many."""
-        n = 0
-        while len(self._evictable):
-            block = self.blocks[self._evictable.pop_victim()]
-            self._uncache(block)
-            block.num_tokens = 0
-            self._free.append(block.block_id)
-            n += 1
-        return n
+        victims = self._evict(len(self._evictable))
+        for b in victims:
+            self.block_tokens[b] = 0
+        self._free.extend(victims)
+        return len(victims)
+
+    @property
+    def has_events(self) -> bool:
+        """Whether a drain would return any event (lets a driver skip empty drains)."""
+        ev = self.events
+        return ev is not None and bool(ev.stored or ev.evicted)
 
     def drain_events(self) -> KVEvents:
         events, self.events = self.events, KVEvents()
         return events if events is not None else KVEvents()
 
-    def _uncache(self, block: Block) -> None:
-        del self._cached[block.block_hash]
+    def _evict(self, n: int) -> list[int]:
+        """Take `n` cached blocks out of the cache, in eviction order."""
+        victims = self._evictable.pop_victims(n)
+        current, cached = self.block_hashes, self._cached
+        hashes = [current[b] for b in victims]
+        for b, h in zip(victims, hashes, strict=True):
+            del cached[h]
+            current[b] = None
         if self.events is not None:
-            self.events.evicted.append(block.block_hash)
-            self.events.evicted_block_ids.append(block.block_id)
-        block.block_hash = None
+            self.events.evicted.extend(hashes)
+            self.events.evicted_block_ids.extend(victims)
+        return victims

@@ -42,6 +42,7 @@ class SeqBlocks:
 class PrefixHit:
     block_ids: tuple[int, ...]
     num_tokens: int
+    idle_blocks: int = 0  # of block_ids, those at ref_count 0 (cached, evictable) when matched
 
 
 @dataclass(slots=True)
@@ -168,27 +169,19 @@ class KVCacheManager:
         """Longest run of cached blocks from block 0, leaving the last prompt token to compute."""
         if not self.enable_prefix_caching:
             return PrefixHit((), 0)
-        max_blocks = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)
-        found = []
-        for h in hashes[:max_blocks]:
-            block_id = self.pool.lookup(h)
-            if block_id is None:
-                break
-            found.append(block_id)
-        return PrefixHit(tuple(found), len(found) * self.block_size)
+        found = self.pool.lookup_run(hashes, (num_prompt_tokens - 1) // self.block_size)
+        return PrefixHit(tuple(found), len(found) * self.block_size, self.pool.count_idle(found))
 
     def blocks_needed(self, num_tokens: int, hit: PrefixHit) -> int:
         """New blocks an `allocate` of `num_tokens` with this prefix hit takes from the free pool
         (cached hit blocks that are evictable leave the free pool too)."""
-        fresh = -(-num_tokens // self.block_size) - len(hit.block_ids)
-        reused_idle = sum(1 for b in hit.block_ids if self.pool.blocks[b].ref_count == 0)
-        return fresh + reused_idle
+        return -(-num_tokens // self.block_size) - len(hit.block_ids) + hit.idle_blocks
 
     def append_blocks_needed(self, seq_id: int, num_new_tokens: int = 1) -> int:
-        seq = self.seq(seq_id)
+        seq = self.seqs.get(seq_id) or self.seq(seq_id)
         B = self.block_size
         need = -(-(seq.num_tokens + num_new_tokens) // B) - len(seq.blocks)
-        if seq.num_tokens % B and self.pool.blocks[seq.blocks[-1]].ref_count > 1:
+        if seq.num_tokens % B and self.pool.ref_counts[seq.blocks[-1]] > 1:
             need += 1  # copy-on-write of the shared partial last block
         return need
 
@@ -211,9 +204,12 @@ class KVCacheManager:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         block_hashes: Sequence[BlockHash] | None = None,
+        hit: PrefixHit | None = None,
     ) -> int:
         """Give a new sequence slots for all of `token_ids`, reusing the longest cached
-        prefix. Returns the number of tokens whose KV is already there (cached)."""
+        prefix. Returns the number of tokens whose KV is already there (cached). `hit` is
+        `match_prefix(block_hashes, len(token_ids))` when the caller has just taken it, with no
+        change to this manager since (it saves walking a long prompt twice)."""
         if seq_id in self.seqs:
             raise KVStateError(f"sequence {seq_id} is already allocated")
         num_tokens = len(token_ids)
@@ -221,20 +217,19 @@ class KVCacheManager:
             raise KVStateError(f"sequence {seq_id} has no tokens to allocate")
         if block_hashes is None:
             block_hashes = self.prompt_hashes(token_ids, cache_salt) if self.enable_prefix_caching else []
-        hit = self.match_prefix(block_hashes, num_tokens)
+        if hit is None:
+            hit = self.match_prefix(block_hashes, num_tokens)
         need = self.blocks_needed(num_tokens, hit)
         if need > self.pool.num_free:
             raise OutOfBlocks(
                 f"sequence {seq_id} needs {need} KV blocks for {num_tokens} tokens, "
                 f"only {self.pool.num_free} of {self.pool.num_blocks} are free"
             )
-        for b in hit.block_ids:
-            self.pool.incref(b)
-        fresh = self.pool.allocate(-(-num_tokens // self.block_size) - len(hit.block_ids))
-        blocks = list(hit.block_ids) + fresh
+        self.pool.incref_all(hit.block_ids)
         B = self.block_size
-        for i, b in enumerate(fresh, start=len(hit.block_ids)):
-            self.pool.add_tokens(b, min(B, num_tokens - i * B))
+        num_hit = len(hit.block_ids)
+        fresh = self.pool.allocate(-(-num_tokens // B) - num_hit, num_tokens - num_hit * B)
+        blocks = list(hit.block_ids) + fresh
         self.seqs[seq_id] = SeqBlocks(
             blocks, num_tokens, cache_salt, list(block_hashes), num_registered=len(hit.block_ids)
         )
@@ -248,18 +243,24 @@ class KVCacheManager:
     def append_slots(self, seq_id: int, num_new_tokens: int = 1) -> list[CopyOp]:
         """Reserve slots for `num_new_tokens` more tokens; returns the copies to perform
         before writing (copy-on-write of a shared partial last block)."""
-        seq = self.seq(seq_id)
+        seq = self.seqs.get(seq_id) or self.seq(seq_id)
+        B = self.block_size
+        fill = seq.num_tokens % B
+        if fill and fill + num_new_tokens <= B and not seq.on_host:
+            last = seq.blocks[-1]
+            if self.pool.ref_counts[last] == 1:  # the common decode step: room in a private last block
+                self.pool.add_tokens(last, num_new_tokens)
+                seq.num_tokens += num_new_tokens
+                return []
         if seq.on_host:
             raise KVStateError(f"sequence {seq_id} is swapped out; swap it in first")
         need = self.append_blocks_needed(seq_id, num_new_tokens)
         if need > self.pool.num_free:
             raise OutOfBlocks(f"sequence {seq_id} needs {need} more KV blocks, only {self.pool.num_free} are free")
-        B = self.block_size
         copies: list[CopyOp] = []
-        fill = seq.num_tokens % B
         if fill:
             last = seq.blocks[-1]
-            if self.pool.blocks[last].ref_count > 1:
+            if self.pool.ref_counts[last] > 1:
                 (new,) = self.pool.allocate(1)
                 self.pool.add_tokens(new, fill)
                 self.pool.decref(last)
@@ -272,22 +273,24 @@ class KVCacheManager:
         else:
             remaining = num_new_tokens
         if remaining:
-            fresh = self.pool.allocate(-(-remaining // B))
-            for b in fresh:
-                self.pool.add_tokens(b, min(B, remaining))
-                remaining -= B
-            seq.blocks.extend(fresh)
+            seq.blocks.extend(self.pool.allocate(-(-remaining // B), remaining))
         seq.num_tokens += num_new_tokens
         return copies
 
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """The KV of the first `num_computed_tokens` tokens is written: register the full blocks."""
-        seq = self.seq(seq_id)
+        seq = self.seqs.get(seq_id) or self.seq(seq_id)
         if not self.enable_prefix_caching:
             return
         B = self.block_size
         full = min(num_computed_tokens, seq.num_tokens) // B
+        if seq.num_registered >= full:
+            return
         hashes = seq.hashes
+        known = min(full, len(hashes))
+        if seq.num_registered < known:  # hashes given at allocation: register them in one pass
+            self.pool.register_many(seq.blocks[seq.num_registered : known], hashes[seq.num_registered : known])
+            seq.num_registered = known
         while seq.num_registered < full:
             i = seq.num_registered
             if i >= len(hashes):
@@ -304,8 +307,7 @@ class KVCacheManager:
             raise KVStateError(f"sequence {child_id} is already allocated")
         if parent.on_host:
             raise KVStateError(f"sequence {parent_id} is swapped out; cannot fork it")
-        for b in parent.blocks:
-            self.pool.incref(b)
+        self.pool.incref_all(parent.blocks)
         self.seqs[child_id] = SeqBlocks(
             list(parent.blocks), parent.num_tokens, parent.cache_salt, list(parent.hashes), parent.num_registered
         )
@@ -314,9 +316,11 @@ class KVCacheManager:
         """Release a sequence's blocks, tail first so the least shareable are evicted first."""
         seq = self.seq(seq_id)
         del self.seqs[seq_id]
-        release = self.host.decref if seq.on_host else self.pool.decref
-        for b in reversed(seq.blocks):
-            release(b)
+        if seq.on_host:
+            for b in reversed(seq.blocks):
+                self.host.decref(b)
+        else:
+            self.pool.release(reversed(seq.blocks))
 
     def reset_prefix_cache(self) -> int:
         return self.pool.evict_all_cached()
@@ -354,8 +358,7 @@ class KVCacheManager:
                     self.host.incref(mapping[b])
                 else:
                     mapping[b] = self.host.allocate()
-            for b in reversed(seq.blocks):
-                self.pool.decref(b)
+            self.pool.release(reversed(seq.blocks))
             seq.blocks = [mapping[b] for b in seq.blocks]
             seq.on_host = True
         return list(mapping.items())

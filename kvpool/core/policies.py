@@ -3,13 +3,16 @@
 A policy orders the *evictable* keys of one cache. The cache tells it when a key becomes
 evictable (`insert`), is used again while staying evictable (`touch`), stops being evictable
 (`remove`), and asks it for the next victim (`pop_victim`). LRU and LFU are O(1) per operation, FIFO O(log n).
+The batch forms (`insert_many`, `remove_many`, `pop_victims`) move a whole prompt's blocks in one
+call; LRU does them with its ordered dict's own loops.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
+from itertools import repeat
 from typing import Protocol
 
 from kvpool.errors import ConfigError
@@ -28,9 +31,35 @@ class EvictionPolicy(Protocol):
     def pop_victim(self) -> Hashable:
         """Remove and return the key to evict next; KeyError when empty."""
 
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        """`insert` each key, in order."""
+
+    def remove_many(self, keys: Iterable[Hashable]) -> None:
+        """`remove` each key."""
+
+    def pop_victims(self, n: int) -> list[Hashable]:
+        """`pop_victim` n times; KeyError (having popped none) when fewer keys are evictable."""
+
     def __contains__(self, key: object) -> bool: ...
 
     def __len__(self) -> int: ...
+
+
+class _Batched:
+    """The batch operations as loops over the single ones; a policy may do better."""
+
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            self.insert(key)
+
+    def remove_many(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            self.remove(key)
+
+    def pop_victims(self, n: int) -> list[Hashable]:
+        if n > len(self):
+            raise KeyError(f"{n} victims wanted, {len(self)} evictable")
+        return [self.pop_victim() for _ in range(n)]
 
 
 class LRUPolicy:
@@ -55,6 +84,27 @@ class LRUPolicy:
             raise KeyError("no evictable key")
         return self._order.popitem(last=False)[0]
 
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        order = self._order
+        keys = list(keys)
+        size = len(order)
+        order.update(zip(keys, repeat(None)))  # appends the new keys in order
+        if len(order) - size != len(keys):  # some were evictable already: move them too
+            move = order.move_to_end
+            for key in keys:
+                move(key)
+
+    def remove_many(self, keys: Iterable[Hashable]) -> None:
+        order = self._order
+        for key in keys:
+            del order[key]
+
+    def pop_victims(self, n: int) -> list[Hashable]:
+        if n > len(self._order):
+            raise KeyError(f"{n} victims wanted, {len(self._order)} evictable")
+        pop = self._order.popitem
+        return [pop(last=False)[0] for _ in range(n)]
+
     def __contains__(self, key: object) -> bool:
         return key in self._order
 
@@ -62,7 +112,7 @@ class LRUPolicy:
         return len(self._order)
 
 
-class FIFOPolicy:
+class FIFOPolicy(_Batched):
     """First cached first out: a key keeps the position of its first insertion while it goes
     in and out of use, and an access does not refresh it. O(log n) through a lazy heap."""
 
@@ -108,7 +158,7 @@ class FIFOPolicy:
         return len(self._present)
 
 
-class LFUPolicy:
+class LFUPolicy(_Batched):
     """Least frequently used first, least recently used among equals (O(1) LFU buckets).
 
     A key's count survives `remove` (a block in use is still popular when it is freed

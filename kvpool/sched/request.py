@@ -88,7 +88,7 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return not self.live_seqs
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
 
     @property
     def status(self) -> SeqStatus:

@@ -178,69 +178,75 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        max_seqs = self.config.max_num_seqs
+        running = self.running
         num_seqs = 0
         i = 0
-        while i < len(self.running):
-            group = self.running[i]
+        while i < len(running):
+            group = running[i]
             if group.pending_kv_loads:
                 i += 1
                 continue
-            need = self._tokens_wanted(group, budget)
-            if need is None or num_seqs + len(group.live_seqs) > self.config.max_num_seqs:
+            live = group.live_seqs
+            need = self._tokens_wanted(live, budget)
+            if need is None or num_seqs + len(live) > max_seqs:
                 break
-            if not self._reserve_decode_slots(group, out):
+            if not self._reserve_decode_slots(group, live, out):
                 break  # the group preempted itself: every later one is gone too
-            budget -= self._emit(group, need, out)
-            num_seqs += len(group.live_seqs)
+            budget -= self._emit(group, live, need, out)
+            num_seqs += len(live)
             i += 1
         if out.preempted:
             return out
         while self.swapped:
             group = self.swapped[0]
-            seq_ids = [s.seq_id for s in group.live_seqs]
+            live = group.live_seqs
+            seq_ids = [s.seq_id for s in live]
             # each sequence's next token takes at most one block (a new one or a CoW copy)
             need_blocks = len(self.kv._unique_blocks(seq_ids, on_host=True)) + len(seq_ids)
             if need_blocks > self.kv.num_free_blocks - self._watermark_blocks:
                 return out
-            need = self._tokens_wanted(group, budget)
-            if need is None or num_seqs + len(group.live_seqs) > self.config.max_num_seqs:
+            need = self._tokens_wanted(live, budget)
+            if need is None or num_seqs + len(live) > max_seqs:
                 return out
             self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(seq_ids))
             self.num_swapped_blocks += len(out.swap_in)
-            for seq in group.live_seqs:
+            for seq in live:
                 seq.status = SeqStatus.RUNNING
-            self.running.append(group)
-            reserved = self._reserve_decode_slots(group, out, may_preempt=False)
+            running.append(group)
+            reserved = self._reserve_decode_slots(group, live, out, may_preempt=False)
             assert reserved, "swap-in admitted a group whose next tokens do not fit"
-            budget -= self._emit(group, need, out)
-            num_seqs += len(group.live_seqs)
+            budget -= self._emit(group, live, need, out)
+            num_seqs += len(live)
         while self.waiting and budget > 0:
             group = self.waiting[0]
-            if num_seqs + len(group.live_seqs) > self.config.max_num_seqs or not self._admit(group, out):
+            live = group.live_seqs
+            if num_seqs + len(live) > max_seqs or not self._admit(group, out):
                 break
             if group.pending_kv_loads:  # computes from the next step on, once its KV has landed
                 self.waiting.popleft()
-                self.running.append(group)
+                running.append(group)
                 continue
-            need = self._tokens_wanted(group, budget)
+            need = self._tokens_wanted(live, budget)
             if need is None:
                 self._unadmit(group, out)
                 break
             self.waiting.popleft()
-            self.running.append(group)
-            budget -= self._emit(group, need, out)
-            num_seqs += len(group.live_seqs)
+            running.append(group)
+            budget -= self._emit(group, live, need, out)
+            num_seqs += len(live)
         return out
 
     def update(self, out: SchedulerOutput) -> None:
         """The step ran: its KV is written. Advance and register the computed blocks."""
+        commit = self.kv.commit
         for s in out.scheduled:
             seq = s.seq
-            if seq.is_finished:
+            if seq.status is SeqStatus.FINISHED:
                 continue
-            seq.num_computed_tokens = s.start + s.num_new_tokens
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            seq.num_computed_tokens = computed = s.start + s.num_new_tokens
+            commit(seq.seq_id, seq.token_ids, computed)
 
     def append_token(self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float = 0.0) -> bool:
         """Add a sampled token; finish the sequence on EOS, a stop token or max_tokens.
@@ -248,7 +254,7 @@ class Scheduler:
         seq.token_ids.append(token_id)
         seq.cumulative_logprob += logprob
         params = group.params
-        n_out = seq.num_output_tokens
+        n_out = len(seq.token_ids) - seq.prompt_len
         if n_out >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 self.finish_seq(group, seq, FinishReason.STOP, stop_reason=token_id)
@@ -312,10 +318,18 @@ class Scheduler:
         return done
 
     # -- internals -------------------------------------------------------------------------
-    def _tokens_wanted(self, group: SequenceGroup, budget: int) -> list[int] | None:
-        """Tokens each live sequence computes this step (0 = sits out), or None if the group
-        cannot run: decode tokens are all or nothing, prefill chunks share what is left."""
-        live = group.live_seqs
+    def _tokens_wanted(self, live: list[Sequence], budget: int) -> list[int] | None:
+        """Tokens each live sequence of a group computes this step (0 = sits out), or None if
+        the group cannot run: decode tokens are all or nothing, prefill chunks share what is left."""
+        if len(live) == 1:  # the common case, on the hot path
+            seq = live[0]
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            if remaining == 1:
+                return [1] if budget >= 1 else None
+            if remaining < 1:
+                return None
+            take = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
+            return [take] if 0 < take <= budget else None
         wanted = [0] * len(live)
         for i, seq in enumerate(live):
             if len(seq.token_ids) - seq.num_computed_tokens == 1:
@@ -333,24 +347,30 @@ class Scheduler:
                 budget -= take
         return wanted if any(wanted) else None
 
-    def _emit(self, group: SequenceGroup, wanted: list[int], out: SchedulerOutput) -> int:
+    def _emit(self, group: SequenceGroup, live: list[Sequence], wanted: list[int], out: SchedulerOutput) -> int:
         group.first_scheduled = True
-        for seq, n in zip(group.live_seqs, wanted, strict=True):
-            if not n:
-                continue
-            start = seq.num_computed_tokens
-            out.scheduled.append(ScheduledSeq(group, seq, start, n, start + n == len(seq.token_ids)))
+        scheduled = out.scheduled
+        for seq, n in zip(live, wanted, strict=True):
+            if n:
+                start = seq.num_computed_tokens
+                scheduled.append(ScheduledSeq(group, seq, start, n, start + n == len(seq.token_ids)))
         total = sum(wanted)
         out.num_batched_tokens += total
         return total
 
-    def _reserve_decode_slots(self, group: SequenceGroup, out: SchedulerOutput, may_preempt: bool = True) -> bool:
-        """Give every live sequence a slot for its newest token, preempting the latest-arrived
-        running groups while blocks are short. False when `group` itself was preempted, or
-        when blocks are short and preempting is not allowed."""
+    def _reserve_decode_slots(
+        self, group: SequenceGroup, live: list[Sequence], out: SchedulerOutput, may_preempt: bool = True
+    ) -> bool:
+        """Give every live sequence of `group` a slot for its newest token, preempting the
+        latest-arrived running groups while blocks are short. False when `group` itself was
+        preempted, or when blocks are short and preempting is not allowed."""
         kv = self.kv
-        extras = [(s.seq_id, len(s.token_ids) - kv.seqs[s.seq_id].num_tokens) for s in group.live_seqs]
-        extras = [(sid, n) for sid, n in extras if n]
+        seqs = kv.seqs
+        extras = []
+        for s in live:
+            n = len(s.token_ids) - seqs[s.seq_id].num_tokens
+            if n:
+                extras.append((s.seq_id, n))
         while extras:
             need = sum(kv.append_blocks_needed(sid, n) for sid, n in extras)
             if need <= kv.num_free_blocks:
@@ -397,12 +417,13 @@ class Scheduler:
                 hashes = kv.prompt_hashes(seq.token_ids, group.cache_salt) if self.config.enable_prefix_caching else []
             hit = kv.match_prefix(hashes, len(seq.token_ids))
             need += kv.blocks_needed(len(seq.token_ids), hit)
-            plans.append((seq, hashes))
+            plans.append((seq, hashes, hit))
         if need > kv.num_free_blocks - self._watermark_blocks:
             return False
         B = self.config.block_size
-        for seq, hashes in plans:
-            cached = kv.allocate(seq.seq_id, seq.token_ids, group.cache_salt, hashes)
+        for i, (seq, hashes, hit) in enumerate(plans):
+            # the first allocation may reuse its match; it may change what the others match
+            cached = kv.allocate(seq.seq_id, seq.token_ids, group.cache_salt, hashes, hit if i == 0 else None)
             hit_blocks = cached // B
             limit = (len(seq.token_ids) - 1) // B
             external = 0

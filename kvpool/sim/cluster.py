@@ -9,6 +9,15 @@ on the chosen instance. KV events from every instance (and the pool) feed
 `conductor.index`; every instance reports its load after each step.
 
 Events are processed in (time, sequence number) order, so a run is deterministic.
+
+Fast-forward: a decode instance's steps interact with the rest of the cluster only through
+arrivals (routing reads its load and cached blocks), prefill steps (which start decodes on it
+and hand requests to it), its own hand-overs and load samples. Other decode instances' events
+touch none of its state. So when a decode instance steps, it takes every following plain decode
+step (`SimInstance.decode_run`) that starts before the earliest pending event of those kinds
+in one go, draining its KV events after each step as usual; only its last report before that
+event can be read, so it reports once. Results are identical to stepping one event at a time
+(`fast_forward_decode=False`; tests/sim compare the two).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ class ClusterConfig:
     decode_scheduler: SchedulerConfig | None = None
     pool_blocks: int = 0
     sample_interval_s: float = 0.0  # load samples for plots; 0 = none
+    fast_forward_decode: bool = True  # see the module docstring; results do not change
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 0:
@@ -117,6 +127,13 @@ class SimCluster:
         self._flights: dict[str, _Flight] = {}
         self._arrivals_left = 0
         self.result = ClusterResult([], {}, {}, 0.0)
+        # Pending events that can observe or change a decode instance (see fast-forward).
+        self._fast_forward = config.fast_forward_decode and bool(self.decode)
+        self._arrival_times: list[float] = []  # sorted; the next is at index len - _arrivals_left
+        self._prefill_adds: list[float] = []  # heap
+        self._decode_adds: dict[str, list[float]] = {d: [] for d in self.decode}  # heaps
+        self._prefill_steps: dict[str, float] = {}  # prefill instance -> its pending step
+        self._next_sample = math.inf
 
     # -- the event loop -------------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: object) -> None:
@@ -126,8 +143,9 @@ class SimCluster:
         for r in requests:
             self._push(r.arrival_s, ARRIVE, r)
         self._arrivals_left = len(requests)
+        self._arrival_times = sorted(r.arrival_s for r in requests)
         if self.config.sample_interval_s > 0 and requests:
-            self._push(0.0, SAMPLE, None)
+            self._push_sample(0.0)
         now = 0.0
         while self._heap:
             now, _, kind, payload = heapq.heappop(self._heap)
@@ -142,14 +160,43 @@ class SimCluster:
                 self._prefill_add(payload, now)
             elif kind == DECODE_ADD:
                 self._decode_add(payload, now)
-            elif kind == SAMPLE and (self._flights or self._arrivals_left):
-                self._sample(now)
+            elif kind == SAMPLE:
+                self._next_sample = math.inf
+                if self._flights or self._arrivals_left:
+                    self._sample(now)
         return self._finish(now)
 
     def _wake(self, inst_id: str, now: float) -> None:
         if inst_id not in self._busy:
             self._busy.add(inst_id)
-            self._push(now, STEP, inst_id)
+            self._push_step(inst_id, now)
+
+    def _push_step(self, inst_id: str, t: float) -> None:
+        if inst_id in self.prefill:
+            self._prefill_steps[inst_id] = t
+        self._push(t, STEP, inst_id)
+
+    def _push_sample(self, t: float) -> None:
+        self._next_sample = t
+        self._push(t, SAMPLE, None)
+
+    def _horizon(self, decode_id: str) -> float:
+        """The earliest pending event that can observe or change decode instance `decode_id`:
+        an arrival, a prefill add or step, a hand-over to it, or a load sample. No such event
+        can be created before it: arrivals are all queued from the start, and prefill adds,
+        prefill steps and hand-overs are created only by events of those kinds."""
+        t = self._next_sample
+        left = self._arrivals_left
+        if left:
+            t = min(t, self._arrival_times[len(self._arrival_times) - left])
+        if self._prefill_adds:
+            t = min(t, self._prefill_adds[0])
+        adds = self._decode_adds[decode_id]
+        if adds:
+            t = min(t, adds[0])
+        if self._prefill_steps:
+            t = min(t, min(self._prefill_steps.values()))
+        return t
 
     # -- handlers ----------------------------------------------------------------------------------
     def _arrive(self, req: SimRequest, now: float) -> None:
@@ -167,9 +214,11 @@ class SimCluster:
         if decision.pull_from is not None:
             delay = self.cost_model.kv_transfer_time(decision.pull_blocks)
             self.result.transferred_blocks += decision.pull_blocks
+        heapq.heappush(self._prefill_adds, now + delay)
         self._push(now + delay, PREFILL_ADD, (flight, decision.cached_blocks if decision.pull_from else 0))
 
     def _prefill_add(self, payload: tuple[_Flight, int], now: float) -> None:
+        heapq.heappop(self._prefill_adds)  # events run in time order: this one is the earliest
         flight, pulled = payload
         inst = self.prefill[flight.prefill_id]
         if pulled:
@@ -181,6 +230,7 @@ class SimCluster:
         self._wake(inst.instance_id, now)
 
     def _decode_add(self, flight: _Flight, now: float) -> None:
+        heapq.heappop(self._decode_adds[flight.decode_id])
         inst = self.decode[flight.decode_id]
         inst.seed_blocks(flight.hashes)
         self._drain(inst)
@@ -190,6 +240,12 @@ class SimCluster:
 
     def _step(self, inst_id: str, now: float) -> None:
         inst = self.instances[inst_id]
+        self._prefill_steps.pop(inst_id, None)
+        if self._fast_forward and inst_id in self.decode:
+            end = self._decode_run(inst, now)
+            if end is not None:
+                self._push(end, STEP, inst_id)
+                return
         before = inst.counters.prefill_tokens
         res = inst.step(now)
         if res.duration == 0.0:
@@ -213,7 +269,27 @@ class SimCluster:
             else:
                 self._flights.pop(rid)
                 self.conductor.on_decode_done(rid, end, output_tokens=flight.metrics.output_len)
-        self._push(end, STEP, inst_id)
+        self._push_step(inst_id, end)
+
+    def _decode_run(self, inst: SimInstance, now: float) -> float | None:
+        """Fast-forward decode instance `inst` (see the module docstring): each step exactly as
+        `_step` takes it, except that only the load report before a finish and the last one are
+        made. Returns when the next step is due, or None when not even the first step is plain."""
+        inst_id = inst.instance_id
+        end = None
+        reported = False
+        for res in inst.decode_run(now, self._horizon(inst_id)):
+            end = now = now + res.duration
+            self._drain(inst)
+            reported = bool(res.finished)
+            if reported:
+                self.conductor.update_load(inst_id, inst.load())
+                for rid in res.finished:
+                    flight = self._flights.pop(rid)
+                    self.conductor.on_decode_done(rid, end, output_tokens=flight.metrics.output_len)
+        if end is not None and not reported:
+            self.conductor.update_load(inst_id, inst.load())
+        return end
 
     def _hand_over(self, flight: _Flight, now: float) -> None:
         """Prefill done: the decode instance takes the request (KV transfer) or refuses it."""
@@ -234,7 +310,9 @@ class SimCluster:
             return
         blocks = -(-req.prompt_len // self.config.scheduler.block_size)
         self.result.transferred_blocks += blocks
-        self._push(now + self.cost_model.kv_transfer_time(blocks), DECODE_ADD, flight)
+        at = now + self.cost_model.kv_transfer_time(blocks)
+        heapq.heappush(self._decode_adds[flight.decode_id], at)
+        self._push(at, DECODE_ADD, flight)
 
     def _decode_accepts(self, dec: SimInstance, req: SimRequest) -> bool:
         """A decode instance refuses work it cannot hold: KV for the whole request beyond its
@@ -252,6 +330,8 @@ class SimCluster:
         return self.predictor.decode_step_time(batch, load.decode_context_tokens + req.prompt_len) <= slo
 
     def _drain(self, inst: SimInstance) -> None:
+        if not inst.sched.kv.pool.has_events:
+            return
         ev = inst.sched.kv.drain_events()
         if ev.stored:
             self.conductor.index.on_stored(inst.instance_id, ev.stored)
@@ -264,7 +344,7 @@ class SimCluster:
             [self.conductor.queued_prefill_tokens(p) for p in self.prefill],
             [len(d.sched.running) for d in (self.decode or self.prefill).values()],
         ))
-        self._push(now + self.config.sample_interval_s, SAMPLE, None)
+        self._push_sample(now + self.config.sample_interval_s)
 
     def _finish(self, now: float) -> ClusterResult:
         r = self.result

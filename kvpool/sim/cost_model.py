@@ -127,19 +127,43 @@ class RooflineCostModel:
         self.tp = TensorParallel(model, hardware, tp)
         self.mfu, self.mbu, self.overhead_s = mfu, mbu, overhead_s
         self.transfers = TransferCosts.from_specs(self.tp, block_size, mbu)
+        # Constants of compute_time, hoisted out of the simulator's per-step path. Each is the
+        # same floating-point expression the formula evaluates, so step times are bit-identical.
+        self._flops_per_token = 2.0 * model.params
+        self._attn_flops_per_pair = model.num_layers * 4.0 * model.num_heads * model.head_dim
+        self._flops_per_s = mfu * hardware.peak_flops
+        self._bytes_per_s = mbu * hardware.mem_bandwidth
+        self._weight_bytes = self.tp.weight_bytes_per_gpu()
+        self._kv_bytes_per_token = self.tp.kv_bytes_per_token_per_gpu()
+        self._allreduce: dict[int, float] = {}  # seconds by batch tokens (memo)
 
     def compute_time(self, new_tokens: list[int], context_lens: list[int]) -> float:
         if not new_tokens:
             return 0.0
-        m, tp = self.model, self.tp.tp
         tokens = sum(new_tokens)
-        flops = 2.0 * m.params * tokens
-        flops += sum(m.attention_flops(n, c) for n, c in zip(new_tokens, context_lens, strict=True))
-        kv = self.tp.kv_bytes_per_token_per_gpu()
-        nbytes = self.tp.weight_bytes_per_gpu() + kv * (sum(context_lens) + tokens)
-        t = max(flops / tp / (self.mfu * self.hardware.peak_flops),
-                nbytes / (self.mbu * self.hardware.mem_bandwidth))
-        return t + self.tp.allreduce_seconds(tokens) + self.overhead_s
+        if tokens == len(new_tokens) == len(context_lens) and min(new_tokens) == 1:
+            return self.plain_decode_time(context_lens)
+        per_pair = self._attn_flops_per_pair  # ModelSpec.attention_flops, term by term
+        attention = sum([per_pair * (n * c - n * (n - 1) // 2) for n, c in zip(new_tokens, context_lens, strict=True)])
+        return self._time(tokens, attention, sum(context_lens))
+
+    def plain_decode_time(self, context_lens: list[int]) -> float:
+        """`step_time` of a step decoding one token for each sequence (context lengths after the
+        step) and moving no blocks: the simulator's commonest step, costed without a StepBatch
+        (the same operations, so the same result)."""
+        if not context_lens:
+            return 0.0
+        per_pair = self._attn_flops_per_pair  # one new token attends to its whole context
+        return self._time(len(context_lens), sum([per_pair * c for c in context_lens]), sum(context_lens))
+
+    def _time(self, tokens: int, attention_flops: float, context_tokens: int) -> float:
+        flops = self._flops_per_token * tokens + attention_flops
+        nbytes = self._weight_bytes + self._kv_bytes_per_token * (context_tokens + tokens)
+        t = max(flops / self.tp.tp / self._flops_per_s, nbytes / self._bytes_per_s)
+        allreduce = self._allreduce.get(tokens)
+        if allreduce is None:
+            allreduce = self._allreduce[tokens] = self.tp.allreduce_seconds(tokens)
+        return t + allreduce + self.overhead_s
 
     def step_time(self, batch: StepBatch) -> float:
         return self.compute_time(batch.new_tokens, batch.context_lens) + self.transfers.movement_time(batch)
@@ -148,14 +172,24 @@ class RooflineCostModel:
         return self.transfers.transfer_time(num_blocks)
 
 
-FEATURES = ("intercept", "num_seqs", "new_tokens", "attn_pairs", "context_tokens")
+FEATURES = ("intercept", "num_seqs", "new_tokens", "prefill_chunks", "prefill_pairs", "decode_kv")
 
 
 def step_features(new_tokens: list[int], context_lens: list[int]) -> list[float]:
-    """The regressors of a step: a fixed overhead, per-sequence work, per-token matmuls
-    (prefill is compute-bound in tokens), causal attention pairs, and KV read by decode."""
-    pairs = sum(n * c - n * (n - 1) // 2 for n, c in zip(new_tokens, context_lens, strict=True))
-    return [1.0, float(len(new_tokens)), float(sum(new_tokens)), float(pairs), float(sum(context_lens))]
+    """The regressors of a step, shaped like the engine's work: a fixed overhead (weights
+    streamed once per step), per-sequence bookkeeping, per-token matmuls, one attention call
+    per prefill chunk, the chunks' causal (query, key) pairs, and decode attention, which reads
+    every decoding row's KV padded to the longest decode context."""
+    chunks = pairs = decodes = longest = 0
+    for n, c in zip(new_tokens, context_lens, strict=True):
+        if n == 1:
+            decodes += 1
+            longest = max(longest, c)
+        else:
+            chunks += 1
+            pairs += n * c - n * (n - 1) // 2
+    return [1.0, float(len(new_tokens)), float(sum(new_tokens)), float(chunks), float(pairs),
+            float(decodes * longest)]
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,7 +3,9 @@
 `SimInstance.step(now)` is `Engine.step()` with the model replaced by `CostModel.step_time`:
 schedule, cost the batch (new tokens, context lengths, block copies and swaps), update,
 sample placeholder tokens, fork/drop sequences, free finished groups. Policies all live in
-the scheduler and the KV manager; nothing here decides who runs.
+the scheduler and the KV manager; nothing here decides who runs. `decode_run` takes the
+commonest step, a plain decode step (`kvpool.sched.decode_batch`), with the same results
+but without building a schedule, for drivers that step many times between changes.
 
 Token ids: prompts are `[marker] * prompt_len` with a marker unique to the request, and
 their full-block hashes are given precomputed (from the workload's chunks), so prefix reuse
@@ -15,14 +17,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpool.cluster.records import InstanceLoad
 from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_manager import KVCacheManager
 from kvpool.errors import ConfigError
-from kvpool.sched.request import SequenceGroup
+from kvpool.sched.decode_batch import DecodeBatch, decode_batch
+from kvpool.sched.request import SeqStatus, SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.sim.cost_model import CostModel, StepBatch
@@ -117,11 +120,12 @@ class SimInstance:
     def step(self, now: float) -> StepResult:
         sched = self.sched
         out = sched.schedule()
-        if out.is_empty:
+        scheduled = out.scheduled
+        if not scheduled:
             return StepResult(0.0)
         batch = StepBatch(
-            [s.num_new_tokens for s in out.scheduled],
-            [s.start + s.num_new_tokens for s in out.scheduled],
+            [s.num_new_tokens for s in scheduled],
+            [s.start + s.num_new_tokens for s in scheduled],
             blocks_copied=len(out.copies),
             blocks_swapped_in=len(out.swap_in),
             blocks_swapped_out=len(out.swap_out),
@@ -129,23 +133,83 @@ class SimInstance:
         duration = self.cost_model.step_time(batch)
         end = now + duration
         sched.update(out)
-        result = StepResult(duration, batch_size=len({id(s.group) for s in out.scheduled}))
+        result = StepResult(duration, batch_size=len({id(s.group) for s in scheduled}))
         self._count(out, duration, result.batch_size)
         self._sample(out, end, result)
-        for g in sched.free_finished():
+        self._free_finished(end, result)
+        return result
+
+    def decode_run(self, now: float, until: float) -> Iterator[StepResult]:
+        """Plain decode steps (`kvpool.sched.decode_batch`) from `now` while each starts before
+        `until` (the first always runs): the very steps `step()` would take, with the same
+        results, but without building a schedule per step. Yields each step's result; ends at the
+        first step that is not plain (or takes no time), which `step()` then takes."""
+        first = True
+        while True:
+            batch = decode_batch(self.sched)
+            if batch is None or not all(g.params.n == 1 and not g.params.use_beam_search for g, _ in batch.seqs):
+                return
+            cost = self._plain_decode_cost(len(batch.seqs))
+            for _ in range(batch.steps):
+                if not first and now >= until:
+                    return
+                duration = cost([len(seq.token_ids) for _, seq in batch.seqs])
+                if duration == 0.0:
+                    return
+                first = False
+                result = self._decode_step(batch, duration, now + duration)
+                now += duration
+                yield result
+                if result.finished:
+                    break
+
+    def _plain_decode_cost(self, batch_size: int) -> Callable[[list[int]], float]:
+        """Step time of a plain decode step from its context lengths: the cost model's own
+        shortcut when it has one (`RooflineCostModel.plain_decode_time`), else `step_time`."""
+        shortcut = getattr(self.cost_model, "plain_decode_time", None)
+        if shortcut is not None:
+            return shortcut
+        ones = [1] * batch_size
+        return lambda context_lens: self.cost_model.step_time(StepBatch(ones, context_lens))
+
+    def _decode_step(self, batch: DecodeBatch, duration: float, end: float) -> StepResult:
+        """`step()` for a plain decode batch of single-sample groups (`_sample` inlined: this
+        runs once per simulated decode step)."""
+        batch.step()
+        seqs = batch.seqs
+        result = StepResult(duration, batch_size=len(seqs))
+        c = self.counters
+        c.steps += 1
+        c.busy_s += duration
+        c.batched_requests += result.batch_size
+        c.generated_tokens += len(seqs)
+        tokens, metrics, markers, append_token = result.tokens, self.metrics, self._markers, self.sched.append_token
+        finished = False
+        for g, seq in seqs:
+            rid = g.request_id
+            tokens.append(rid)
+            m = metrics[rid]
+            if not m.token_times and g.num_cached_prompt_tokens:
+                m.cached_tokens = max(m.cached_tokens, g.num_cached_prompt_tokens)
+            m.token_times.append(end)
+            finished |= append_token(g, seq, next(markers))
+        if finished:
+            self._free_finished(end, result)
+        return result
+
+    def _free_finished(self, end: float, result: StepResult) -> None:
+        for g in self.sched.free_finished():
             m = self.metrics.pop(g.request_id)
             m.finish(end)
             result.finished.append(g.request_id)
-        return result
 
     def _count(self, out: SchedulerOutput, duration: float, batch_size: int) -> None:
         c = self.counters
         c.steps += 1
         c.busy_s += duration
         c.batched_requests += batch_size
-        for s in out.scheduled:
-            if s.num_new_tokens > 1 or s.start < s.seq.prompt_len:
-                c.prefill_tokens += s.num_new_tokens
+        c.prefill_tokens += sum([s.num_new_tokens for s in out.scheduled
+                                 if s.num_new_tokens > 1 or s.start < s.seq.prompt_len])
 
     def _sample(self, out: SchedulerOutput, end: float, result: StepResult) -> None:
         sched = self.sched
@@ -153,15 +217,12 @@ class SimInstance:
         seen: set[str] = set()
         for s in out.scheduled:
             g, seq = s.group, s.seq
-            if not s.samples or seq.is_finished:
+            if not s.samples or seq.status is SeqStatus.FINISHED:
                 continue
-            if g.request_id not in seen:
-                seen.add(g.request_id)
-                result.tokens.append(g.request_id)
-                m = self.metrics[g.request_id]
-                if not m.token_times and g.num_cached_prompt_tokens:
-                    m.cached_tokens = max(m.cached_tokens, g.num_cached_prompt_tokens)
-                m.on_token(end)
+            rid = g.request_id
+            if rid not in seen:
+                seen.add(rid)
+                self._on_token(g, end, result)
             if g.params.use_beam_search and g.forked:
                 beams[g.request_id] = g
                 continue
@@ -173,9 +234,18 @@ class SimInstance:
         for g in beams.values():
             self._beam_step(g)
 
-    def _append(self, g: SequenceGroup, seq) -> None:
+    def _on_token(self, g: SequenceGroup, end: float, result: StepResult) -> None:
+        """The request emits a token at `end` (once per step, however many samples)."""
+        result.tokens.append(g.request_id)
+        m = self.metrics[g.request_id]
+        if not m.token_times and g.num_cached_prompt_tokens:
+            m.cached_tokens = max(m.cached_tokens, g.num_cached_prompt_tokens)
+        m.on_token(end)
+
+    def _append(self, g: SequenceGroup, seq) -> bool:
+        """Append a placeholder token to `seq`; True when that finished it."""
         self.counters.generated_tokens += 1
-        self.sched.append_token(g, seq, next(self._markers))
+        return self.sched.append_token(g, seq, next(self._markers))
 
     def _beam_step(self, g: SequenceGroup) -> None:
         """A deterministic stand-in for beam search that exercises the same machinery: the
@@ -193,12 +263,15 @@ class SimInstance:
         queued = 0
         ctx = 0
         for g in itertools.chain(sched.waiting, sched.running):
-            for seq in g.live_seqs:
-                left = len(seq.token_ids) - seq.num_computed_tokens
+            for seq in g.seqs:
+                if seq.status is SeqStatus.FINISHED:
+                    continue
+                n = len(seq.token_ids)
+                left = n - seq.num_computed_tokens
                 if left > 1:
                     queued += left
                 else:
-                    ctx += len(seq.token_ids)
+                    ctx += n
         return InstanceLoad(
             queued_prefill_tokens=queued,
             running_decode_reqs=len(sched.running),
@@ -215,7 +288,7 @@ def write_blocks(kv: KVCacheManager, hashes: Sequence[BlockHash]) -> int:
     n = len(hashes)
     if n == 0 or n + 1 > kv.num_free_blocks:
         return 0
-    tokens = [0] * (n * kv.block_size + 1)
+    tokens = range(n * kv.block_size + 1)  # only its length is read: every full block's hash is given
     kv.allocate(_SEED_SEQ_ID, tokens, block_hashes=hashes)
     kv.commit(_SEED_SEQ_ID, tokens, n * kv.block_size)
     kv.free(_SEED_SEQ_ID)

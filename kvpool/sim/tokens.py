@@ -83,12 +83,10 @@ class BlockHasher:
     def _hash_chunk(self, parent: BlockHash, data: bytes) -> tuple[list[BlockHash], BlockHash, bytes]:
         bb = self._bytes_per_block
         full = len(data) // bb
-        view = memoryview(data)
+        blake2b = hashlib.blake2b
         hashes = []
-        for i in range(full):
-            h = hashlib.blake2b(parent, digest_size=16)
-            h.update(view[i * bb : (i + 1) * bb])
-            parent = h.digest()
+        for i in range(0, full * bb, bb):
+            parent = blake2b(parent + data[i : i + bb], digest_size=16).digest()
             hashes.append(parent)
         return hashes, parent, data[full * bb :]
 

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True, frozen=True)
 class ValidateSpec:
-    num_requests: int = 16
+    num_requests: int = 48
     input_len_min: int = 32
     input_len_max: int = 256
     output_len: int = 32
@@ -116,7 +116,7 @@ def validate(profile: dict, spec: ValidateSpec, engine: Engine) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, default=None,
                    help="a `kvpool bench profile` JSON (default: run the quick profile first)")
-    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rate", type=float, default=None, help="Poisson req/s (default: half the offline rate)")
     p.add_argument("--seed", type=int, default=0)

@@ -98,3 +98,29 @@ def test_fifo_differs_from_lru_when_a_block_is_reused():
         p.insert("a")  # ...and freed again
     assert fifo.pop_victim() == "a"
     assert lru.pop_victim() == "b"
+
+
+BATCHES = st.lists(
+    st.tuples(st.sampled_from(["insert", "remove", "pop"]), st.lists(st.integers(0, 9), max_size=6)), max_size=30
+)
+
+
+@settings(max_examples=200)
+@given(st.sampled_from(["lru", "lfu", "fifo"]), BATCHES)
+def test_batch_operations_equal_their_single_operations_in_order(name, batches):
+    batched, single = make_policy(name), make_policy(name)
+    for op, keys in batches:
+        if op == "insert":
+            batched.insert_many(keys)
+            for k in keys:
+                single.insert(k)
+        elif op == "remove":
+            keys = [k for k in dict.fromkeys(keys) if k in single]
+            batched.remove_many(keys)
+            for k in keys:
+                single.remove(k)
+        else:
+            n = min(len(keys), len(single))
+            assert batched.pop_victims(n) == [single.pop_victim() for _ in range(n)]
+        assert len(batched) == len(single)
+    assert batched.pop_victims(len(single)) == [single.pop_victim() for _ in range(len(single))]

@@ -4,6 +4,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.errors import ConfigError
 from kvpool.sim.cost_model import (
@@ -70,7 +72,7 @@ def _synthetic_samples(law, n=60, seed=0):
 
 
 def test_fit_recovers_known_linear_law_within_one_percent(tmp_path):
-    law = [0.02, 0.001, 5e-5, 2e-9, 1e-6]
+    law = [0.02, 0.001, 5e-5, 0.004, 2e-9, 1e-6]
     samples = _synthetic_samples(law)
     fitted = fit_step_model(samples)
     assert fitted.coef == pytest.approx(law, rel=0.01)
@@ -84,7 +86,7 @@ def test_fit_recovers_known_linear_law_within_one_percent(tmp_path):
 
 
 def test_fit_never_returns_negative_coefficients():
-    law = [0.01, 0.0, 1e-4, 0.0, 0.0]
+    law = [0.01, 0.0, 1e-4, 0.0, 0.0, 0.0]
     samples = _synthetic_samples(law)
     rng = np.random.default_rng(3)
     for s in samples:
@@ -99,3 +101,28 @@ def test_profile_missing_keys_is_a_config_error(tmp_path):
     path.write_text(json.dumps({"model": "smollm2-135m", "samples": []}))
     with pytest.raises(ConfigError, match="block_size"):
         MeasuredCostModel.from_profile(path)
+
+
+def _roofline_by_the_formula(model: RooflineCostModel, new_tokens: list[int], context_lens: list[int]) -> float:
+    """The roofline written out term by term from the presets (no hoisted constants)."""
+    m, tpar = model.model, model.tp
+    tokens = sum(new_tokens)
+    flops = 2.0 * m.params * tokens
+    flops += sum(m.attention_flops(n, c) for n, c in zip(new_tokens, context_lens, strict=True))
+    nbytes = tpar.weight_bytes_per_gpu() + tpar.kv_bytes_per_token_per_gpu() * (sum(context_lens) + tokens)
+    t = max(flops / tpar.tp / (model.mfu * model.hardware.peak_flops),
+            nbytes / (model.mbu * model.hardware.mem_bandwidth))
+    return t + tpar.allreduce_seconds(tokens) + model.overhead_s
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 100_000)), min_size=1, max_size=40),
+       st.sampled_from([("llama2-70b", "a800-80gb", 8), ("opt-13b", "a100-40gb", 1)]))
+def test_roofline_step_time_is_bit_identical_to_the_formula(seqs, setup):
+    name, hw, tp = setup
+    model = RooflineCostModel(get_model(name), get_hardware(hw), tp=tp)
+    new = [n for n, _ in seqs]
+    ctx = [n + c for n, c in seqs]
+    assert model.step_time(StepBatch(new, ctx)) == _roofline_by_the_formula(model, new, ctx)
+    ones = [1] * len(ctx)
+    assert model.plain_decode_time(ctx) == model.step_time(StepBatch(ones, ctx)) == _roofline_by_the_formula(model, ones, ctx)

@@ -13,7 +13,7 @@ from kvpool.sim.instance import simulate_offline
 from kvpool.sim.presets import get_hardware, get_model
 from kvpool.sim.validate import sim_requests
 
-LAW = (0.02, 0.001, 0.0005, 2e-8, 1e-6)  # seconds per FEATURES unit
+LAW = (0.02, 0.001, 0.0005, 0.004, 2e-8, 1e-6)  # seconds per FEATURES unit
 
 
 def _law_seconds(new_tokens, context_lens) -> float:
@@ -26,8 +26,9 @@ def test_simulator_reproduces_a_known_linear_step_law():
     rng = np.random.default_rng(0)
     samples = []
     for _ in range(40):
-        b = int(rng.integers(1, 33))
-        new = [int(rng.integers(1, 300))] + [1] * (b - 1)
+        b = int(rng.integers(2, 33))
+        chunks = int(rng.integers(0, 3))  # decode-only steps and steps with 1-2 prefill chunks
+        new = [int(rng.integers(2, 300)) for _ in range(chunks)] + [1] * (b - chunks)
         ctx = [n + int(rng.integers(0, 800)) for n in new]
         samples.append({"num_seqs": b, "new_tokens": new, "context_lens": ctx, "seconds": _law_seconds(new, ctx)})
     cost = MeasuredCostModel.from_samples(samples, get_model("smollm2-135m"), get_hardware("cpu"), 16)

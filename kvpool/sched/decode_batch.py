@@ -1,0 +1,98 @@
+"""Plain decode steps: the common step in which every running sequence decodes one token and
+nothing else can happen, taken without building a SchedulerOutput.
+
+A driver that steps many times between changes (the simulator between arrivals) asks
+`decode_batch(scheduler)` for the batch; until a sequence finishes or anything else calls the
+scheduler, `DecodeBatch.step()` does exactly what `schedule()` + `update()` would do: the same
+slot reservations, then the same commits, in the same order, so the KV state, its events and
+its statistics are identical (tests/sched compares the two paths). The driver appends the
+sampled tokens with `Scheduler.append_token` as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.core.kv_manager import KVCacheManager
+from kvpool.sched.request import Sequence, SequenceGroup
+from kvpool.sched.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """The running sequences in schedule order (groups oldest first, then each group's live
+    sequences) and how many plain steps free blocks cover without preempting."""
+
+    seqs: list[tuple[SequenceGroup, Sequence]]
+    steps: int
+    kv: KVCacheManager
+
+    def step(self) -> None:
+        """One step's `schedule()` + `update()`: a slot for each newest token, then commit. A
+        sequence's full blocks are all committed (checked by `decode_batch`), so only a step
+        that fills a block has one to register; the others skip the call."""
+        kv = self.kv
+        append, commit, B = kv.append_slots, kv.commit, kv.block_size
+        for _, seq in self.seqs:
+            append(seq.seq_id, 1)
+        for _, seq in self.seqs:
+            seq.num_computed_tokens = n = seq.num_computed_tokens + 1
+            if n % B == 0:
+                commit(seq.seq_id, seq.token_ids, n)
+
+
+def decode_batch(sched: Scheduler) -> DecodeBatch | None:
+    """The batch when the next steps are plain decode steps, else None. Plain: no group waits,
+    is swapped out or loads KV; every live sequence is past its prompt with exactly its newest
+    token to compute, no slot for it yet and its full blocks committed; no partial last block
+    is shared (no copy-on-write); the batch fits `max_num_seqs` and the token budget. `steps` (>= 1) stops at the step in which
+    the first sequence reaches max_tokens and never needs more blocks than are free, so no step
+    preempts. Assumes the driver appends no stop token (a finish ends the batch)."""
+    if sched.waiting or sched.swapped or not sched.running:
+        return None
+    kv, cfg = sched.kv, sched.config
+    B = cfg.block_size
+    ref_counts = kv.pool.ref_counts
+    caching = kv.enable_prefix_caching
+    seqs: list[tuple[SequenceGroup, Sequence]] = []
+    slots: list[int] = []  # tokens with a slot, per sequence
+    held = 0
+    steps = cfg.max_model_len
+    for group in sched.running:
+        if group.pending_kv_loads or not group.first_scheduled:
+            return None
+        for seq in group.live_seqs:
+            n = len(seq.token_ids)
+            entry = kv.seqs[seq.seq_id]
+            if n - seq.num_computed_tokens != 1 or n <= seq.prompt_len or entry.num_tokens != n - 1:
+                return None
+            if caching and entry.num_registered != (n - 1) // B:
+                return None
+            if entry.num_tokens % B and ref_counts[entry.blocks[-1]] > 1:
+                return None
+            seqs.append((group, seq))
+            slots.append(entry.num_tokens)
+            held += len(entry.blocks)
+            steps = min(steps, group.params.max_tokens - (n - seq.prompt_len))
+    if len(seqs) > min(cfg.max_num_seqs, cfg.max_num_batched_tokens) or steps < 1:
+        return None
+    steps = _steps_within(slots, held, B, steps, kv.num_free_blocks)
+    return DecodeBatch(seqs, steps, kv) if steps else None
+
+
+def _steps_within(slots: list[int], held: int, block_size: int, steps: int, free: int) -> int:
+    """The most steps, at most `steps`, whose new blocks fit in `free` (0 when not one)."""
+
+    def need(m: int) -> int:
+        return sum([-(-(n + m) // block_size) for n in slots]) - held
+
+    if need(steps) <= free:
+        return steps
+    lo, hi = 0, steps  # need(lo) <= free < need(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if need(mid) <= free:
+            lo = mid
+        else:
+            hi = mid
+    return lo
