@@ -40,12 +40,13 @@ class ProfilePlan:
     decode_contexts: tuple[int, ...]
     mixed: tuple[tuple[int, int], ...]  # (decode batch, prefill chunk)
     decode_steps: int = 2
+    serving: int = 0  # requests of a staggered serving run (distinct prompts, see _serving)
 
 
 PLANS = {
     "default": ProfilePlan((32, 128, 256, 512, 1024), (0, 512), (1, 4, 16, 32, 64), (128, 512, 1024),
-                           ((8, 128), (8, 512), (32, 256))),
-    "quick": ProfilePlan((32, 256), (0, 256), (1, 8, 32), (128, 512), ((8, 256),)),
+                           ((8, 128), (8, 512), (32, 256)), serving=24),
+    "quick": ProfilePlan((32, 256), (0, 256), (1, 8, 32), (128, 512), ((8, 256),), serving=12),
     "tiny": ProfilePlan((16, 128), (0, 64), (1, 4), (64,), ((4, 64),), decode_steps=1),
 }
 
@@ -127,6 +128,19 @@ def _start_decodes(rec: StepRecorder, prompts: _Prompts, batch: int, context: in
     rec.step()
 
 
+def _serving(rec: StepRecorder, prompts: _Prompts, requests: int, every: int = 4) -> None:
+    """Distinct prompts (32-256 tokens, 32 output tokens) joining one every `every` steps: the
+    steps of a serving run, where no two sequences share KV. (The decode shapes above share a
+    cached prefix to keep the setup short, and shared KV reads hit the CPU cache: alone they
+    make decode look cheaper than it is.)"""
+    lengths = prompts.rng.integers(32, 257, size=requests).tolist()
+    for n in lengths:
+        rec.engine.add_request(prompts.fresh(n), _params(32))
+        for _ in range(every):
+            rec.step()
+    rec.drain()
+
+
 def profile_engine(engine: Engine, plan: ProfilePlan, seed: int = 0, progress: bool = True) -> list[dict]:
     """Run `plan` on `engine` (which must have prefix caching on) and return the step samples."""
     if not engine.scheduler.config.enable_prefix_caching:
@@ -142,12 +156,15 @@ def profile_engine(engine: Engine, plan: ProfilePlan, seed: int = 0, progress: b
     jobs = [("prefill", c, p) for c in plan.prefill_chunks for p in plan.cached_prefixes]
     jobs += [("decode", b, c) for b in plan.decode_batches for c in plan.decode_contexts]
     jobs += [("mixed", b, c) for b, c in plan.mixed]
+    jobs += [("serving", plan.serving, 0)] if plan.serving else []
     for kind, a, b in tqdm(jobs, desc="profile", unit="shape", disable=not progress):
         if kind == "prefill":
             _prefill(rec, prompts, a, b)
         elif kind == "decode":
             _start_decodes(rec, prompts, a, b, plan.decode_steps)
             rec.drain()
+        elif kind == "serving":
+            _serving(rec, prompts, a)
         else:
             _start_decodes(rec, prompts, a, 256, plan.decode_steps)
             engine.add_request(prompts.fresh(b), _params(1))

@@ -172,24 +172,25 @@ class RooflineCostModel:
         return self.transfers.transfer_time(num_blocks)
 
 
-FEATURES = ("intercept", "num_seqs", "new_tokens", "prefill_chunks", "prefill_pairs", "decode_kv")
+FEATURES = ("intercept", "num_seqs", "prefill_tokens", "prefill_chunks", "prefill_pairs", "decode_kv")
 
 
 def step_features(new_tokens: list[int], context_lens: list[int]) -> list[float]:
     """The regressors of a step, shaped like the engine's work: a fixed overhead (weights
-    streamed once per step), per-sequence bookkeeping, per-token matmuls, one attention call
-    per prefill chunk, the chunks' causal (query, key) pairs, and decode attention, which reads
+    streamed once per step), per-sequence work (a decode row costs little more: it rides on
+    the weights' stream), per prefill token (matmuls, compute-bound), one attention call per
+    prefill chunk, the chunks' causal (query, key) pairs, and decode attention, which reads
     every decoding row's KV padded to the longest decode context."""
-    chunks = pairs = decodes = longest = 0
+    chunks = prefill = pairs = decodes = longest = 0
     for n, c in zip(new_tokens, context_lens, strict=True):
         if n == 1:
             decodes += 1
             longest = max(longest, c)
         else:
             chunks += 1
+            prefill += n
             pairs += n * c - n * (n - 1) // 2
-    return [1.0, float(len(new_tokens)), float(sum(new_tokens)), float(chunks), float(pairs),
-            float(decodes * longest)]
+    return [1.0, float(len(new_tokens)), float(prefill), float(chunks), float(pairs), float(decodes * longest)]
 
 
 @dataclass(slots=True, frozen=True)

@@ -44,8 +44,8 @@ SYSTEMS = (
 DOC_POLICIES = ("random", "least-load", "cache-aware", "kv-centric")
 # One engine step of SmolLM2-135M (float32, 1 thread) on the 2-core development machine, fitted by
 # `kvpool bench profile --quick --threads 1` (coefficients in cost_model.FEATURES order, seconds).
-# About 1.1 s for a 420-token prompt, 45 ms for a decode step.
-CPU_STEP = FittedStepModel((0.0426, 0.0, 2.18e-3, 1.38e-3, 1.53e-6, 1.16e-5))
+# About 1.2 s for a 420-token prompt, 65 ms for a small decode step.
+CPU_STEP = FittedStepModel((0.0615, 9.9e-4, 2.37e-3, 0.0, 1.85e-6, 1.40e-5))
 
 
 @dataclass(frozen=True, slots=True)
