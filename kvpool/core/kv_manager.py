@@ -343,7 +343,11 @@ class KVCacheManager:
         return len(self._unique_blocks(seq_ids, on_host=False)) <= self.host.num_free
 
     def can_swap_in(self, seq_ids: Iterable[int]) -> bool:
-        return len(self._unique_blocks(seq_ids, on_host=True)) <= self.pool.num_free
+        return self.num_swap_in_blocks(seq_ids) <= self.pool.num_free
+
+    def num_swap_in_blocks(self, seq_ids: Iterable[int]) -> int:
+        """Device blocks swapping these host-resident sequences in takes (shared blocks once)."""
+        return len(self._unique_blocks(seq_ids, on_host=True))
 
     def swap_out(self, seq_ids: Sequence[int]) -> SwapMap:
         """Move a whole group to host slots, each shared block once; all or nothing."""

@@ -203,7 +203,7 @@ class Scheduler:
             live = group.live_seqs
             seq_ids = [s.seq_id for s in live]
             # each sequence's next token takes at most one block (a new one or a CoW copy)
-            need_blocks = len(self.kv._unique_blocks(seq_ids, on_host=True)) + len(seq_ids)
+            need_blocks = self.kv.num_swap_in_blocks(seq_ids) + len(seq_ids)
             if need_blocks > self.kv.num_free_blocks - self._watermark_blocks:
                 return out
             need = self._tokens_wanted(live, budget)
