@@ -77,3 +77,26 @@ def plot_stacked_bars(
     ax.set_ylabel(ylabel)
     ax.legend(fontsize="small")
     return _save(fig, path, title)
+
+
+def plot_grouped_bars(
+    categories: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    path: str | Path,
+    ylabel: str,
+    title: str | None = None,
+    logy: bool = False,
+) -> Path:
+    """One group of bars per category, one bar per series (e.g. mean batch per system per load)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(categories))
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label)
+    ax.set_xticks(x, categories)
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path, title)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from kvpool.core.contiguous import MaxPolicy, OraclePolicy, Pow2Policy
 from kvpool.sim.experiments.base import ExperimentResult, check_size, roofline
-from kvpool.sim.experiments.grouped_bars import plot_grouped_bars
 from kvpool.sim.experiments.memory_waste import BLOCK, MAX_LEN, MAX_TOKENS, paged_fractions
+from kvpool.sim.plots import plot_grouped_bars
 from kvpool.sim.waste import replay_contiguous
 from kvpool.sim.workloads import WorkloadSpec, synthetic_workload
 

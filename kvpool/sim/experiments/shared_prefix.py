@@ -7,9 +7,9 @@ from pathlib import Path
 
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.experiments.base import ExperimentResult, check_size, roofline
-from kvpool.sim.experiments.grouped_bars import plot_grouped_bars
 from kvpool.sim.instance import simulate_offline
 from kvpool.sim.metrics import summarize
+from kvpool.sim.plots import plot_grouped_bars
 from kvpool.sim.workloads import FEW_SHOT_PREFIX, WorkloadSpec, synthetic_workload
 
 BLOCK = 16

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvpool.sim.experiments.base import ExperimentResult, check_size
-from kvpool.sim.experiments.grouped_bars import plot_grouped_bars
+from kvpool.sim.plots import plot_grouped_bars
 from kvpool.sim.presets import get_hardware, get_model
 from kvpool.store.calc import kv_calc_table
 
