@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from kvpool.bench.serve import metric_sums
 from kvpool.cluster.local import POOLS, ClusterSpec, LocalCluster
 from kvpool.cluster.tokenizer import load_tokenizer
 from kvpool.sim.experiments.conductor_policies import DocumentsWorkload
@@ -105,8 +106,9 @@ def _run(spec: ClusterSpec, bodies: list[dict], arrivals: list[float]) -> dict:
         time.sleep(0.5)
         state = httpx.get(cluster.conductor_url + "/cluster").json()
         urls = cluster.urls("prefill") + cluster.urls("both")
-        local = sum(_metric(url, "kvpool:prefix_cache_hits_total") for url in urls)
-        cached = sum(_metric(url, "kvpool:kv_blocks_cached") for url in urls)
+        scraped = [metric_sums(url) for url in urls]
+        local = sum(m.get("kvpool:prefix_cache_hits_total", 0.0) for m in scraped)
+        cached = sum(m.get("kvpool:kv_blocks_cached", 0.0) for m in scraped)
     finally:
         cluster.down()
     statuses: dict[int, int] = {}
@@ -116,15 +118,6 @@ def _run(spec: ClusterSpec, bodies: list[dict], arrivals: list[float]) -> dict:
     indexed = sum(v["cached_blocks"] for v in state["instances"].values() if v["url"] in urls)
     return {"statuses": statuses, "ttfts": ttfts, "cluster": state, "local_hit_tokens": local,
             "index_vs_cached_blocks": [indexed, cached]}
-
-
-def _metric(url: str, name: str) -> float:
-    """Sum of one Prometheus series (all labels) on an instance's /metrics."""
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _policy_spec(args: argparse.Namespace, policy: str) -> ClusterSpec:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from kvpool.errors import ConfigError
@@ -160,17 +161,23 @@ async def run(args: argparse.Namespace, requests: list[BenchRequest], model: str
 
 
 # -- reporting -------------------------------------------------------------------------------
+def metric_sums(base_url: str) -> dict[str, float]:
+    """A server's /metrics as sample name -> value summed over labels (prometheus_client's
+    parser: the exposition format has escapes and label sets a line split would get wrong)."""
+    text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
 def prefix_counters(base_url: str) -> tuple[float, float] | None:
     """(queries, hits) in tokens from a kvpool server's /metrics; None for other servers."""
     try:
-        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
-    except httpx.HTTPError:
+        values = metric_sums(base_url)
+    except (httpx.HTTPError, ValueError):
         return None
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvpool:prefix_cache_"):
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
     q, h = values.get("kvpool:prefix_cache_queries_total"), values.get("kvpool:prefix_cache_hits_total")
     return None if q is None or h is None else (q, h)
 

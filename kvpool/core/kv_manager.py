@@ -178,7 +178,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size) - len(hit.block_ids) + hit.idle_blocks
 
     def append_blocks_needed(self, seq_id: int, num_new_tokens: int = 1) -> int:
-        seq = self.seqs.get(seq_id) or self.seq(seq_id)
+        seq = self.seq(seq_id)
         B = self.block_size
         need = -(-(seq.num_tokens + num_new_tokens) // B) - len(seq.blocks)
         if seq.num_tokens % B and self.pool.ref_counts[seq.blocks[-1]] > 1:
@@ -243,7 +243,7 @@ class KVCacheManager:
     def append_slots(self, seq_id: int, num_new_tokens: int = 1) -> list[CopyOp]:
         """Reserve slots for `num_new_tokens` more tokens; returns the copies to perform
         before writing (copy-on-write of a shared partial last block)."""
-        seq = self.seqs.get(seq_id) or self.seq(seq_id)
+        seq = self.seq(seq_id)
         B = self.block_size
         fill = seq.num_tokens % B
         if fill and fill + num_new_tokens <= B and not seq.on_host:
@@ -279,7 +279,7 @@ class KVCacheManager:
 
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """The KV of the first `num_computed_tokens` tokens is written: register the full blocks."""
-        seq = self.seqs.get(seq_id) or self.seq(seq_id)
+        seq = self.seq(seq_id)
         if not self.enable_prefix_caching:
             return
         B = self.block_size

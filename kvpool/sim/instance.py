@@ -173,8 +173,7 @@ class SimInstance:
         return lambda context_lens: self.cost_model.step_time(StepBatch(ones, context_lens))
 
     def _decode_step(self, batch: DecodeBatch, duration: float, end: float) -> StepResult:
-        """`step()` for a plain decode batch of single-sample groups (`_sample` inlined: this
-        runs once per simulated decode step)."""
+        """`step()` for a plain decode batch of single-sample groups."""
         batch.step()
         seqs = batch.seqs
         result = StepResult(duration, batch_size=len(seqs))
@@ -182,17 +181,10 @@ class SimInstance:
         c.steps += 1
         c.busy_s += duration
         c.batched_requests += result.batch_size
-        c.generated_tokens += len(seqs)
-        tokens, metrics, markers, append_token = result.tokens, self.metrics, self._markers, self.sched.append_token
         finished = False
         for g, seq in seqs:
-            rid = g.request_id
-            tokens.append(rid)
-            m = metrics[rid]
-            if not m.token_times and g.num_cached_prompt_tokens:
-                m.cached_tokens = max(m.cached_tokens, g.num_cached_prompt_tokens)
-            m.token_times.append(end)
-            finished |= append_token(g, seq, next(markers))
+            self._on_token(g, end, result)
+            finished |= self._append(g, seq)
         if finished:
             self._free_finished(end, result)
         return result

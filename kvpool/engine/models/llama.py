@@ -201,9 +201,7 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, new_kv=(k, v)).reshape(t, h * d)
-        if x.shape[0] != t:
-            out = torch.cat((out, out.new_zeros(x.shape[0] - t, h * d)))
-        return self.o_proj(out)
+        return self.o_proj(pad_rows(out, x.shape[0]))
 
 
 class LlamaMLP(nn.Module):
@@ -232,6 +230,12 @@ class LlamaLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def pad_rows(x: Tensor, rows: int) -> Tensor:
+    """`x` with zero rows appended up to `rows` (itself when it has them)."""
+    extra = rows - x.shape[0]
+    return x if extra <= 0 else torch.cat((x, x.new_zeros(extra, *x.shape[1:])))
+
+
 def row_bucket(rows: int) -> int:
     """Rows padded to one of few sizes: oneDNN builds a kernel per new shape (~0.7 ms per
     projection), which would tax every step whose token count is new. Small batches round up
@@ -254,9 +258,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.shape[0]
-        padded = row_bucket(rows)
-        if padded != rows:
-            x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+        x = pad_rows(x, row_bucket(rows))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
 
     def warm_up(self, max_rows: int) -> None:
@@ -304,9 +306,7 @@ class LlamaForCausal(nn.Module):
         if self._packed_head is not None:
             # Pad once to the packed kernels' row bucket so the MLP and QKV projections take
             # their input as is (attention runs on the real rows only, o_proj pads its own).
-            padded = row_bucket(num_tokens)
-            if padded != num_tokens:
-                input_ids = torch.cat((input_ids, input_ids.new_zeros(padded - num_tokens)))
+            input_ids = pad_rows(input_ids, row_bucket(num_tokens))
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
