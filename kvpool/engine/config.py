@@ -36,6 +36,7 @@ class EngineConfig:
     threads: int | None = None
     max_logprobs: int = 20
     cpu_weight_packing: bool = True  # oneDNN-packed projections on CPU (faster; same results to rounding)
+    cpu_q4_kernels: bool = True  # decode batches read the checkpoint's 4-bit groups (needs packing)
     kv_host_memory: str = "0"  # tiered store: host DRAM tier budget (0 = off)
     kv_disk_path: str | None = None
     kv_disk_size: str = "10GiB"
@@ -63,6 +64,9 @@ _HELP = {
     "eviction_policy": "prefix-cache eviction: lru | lfu | fifo",
     "max_model_len": "context length (default: the model's)",
     "threads": "torch CPU threads (default: all cores)",
+    "cpu_weight_packing": "oneDNN-packed projection weights on CPU",
+    "cpu_q4_kernels": "batches of up to 16 tokens read projections from the checkpoint's 4-bit "
+    "groups (Q4_1 GGUF) with a native kernel: same weights, bit for bit, ~6x fewer bytes",
     "kv_host_memory": "tiered KV store: host DRAM budget (e.g. 4GiB; 0 = off)",
     "kv_disk_path": "tiered KV store: a directory for the disk tier",
     "kv_disk_size": "tiered KV store: disk tier budget",

@@ -74,7 +74,7 @@ class Engine:
         self.runner = ModelRunner(
             self.loaded, num_blocks, config.block_size,
             num_host_blocks if config.preemption_mode == "swap" else 0, self.dtype, self.device,
-            pack_weights=config.cpu_weight_packing, max_num_batched_tokens=config.max_num_batched_tokens,
+            pack_weights=config.cpu_weight_packing, q4_kernels=config.cpu_q4_kernels, max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
         )
         self.kv_store: KVStoreConnector | None = None

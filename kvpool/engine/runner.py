@@ -25,12 +25,12 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, num_blocks: int, block_size: int, num_host_blocks: int,
-        dtype: torch.dtype, device: torch.device, pack_weights: bool = True,
+        dtype: torch.dtype, device: torch.device, pack_weights: bool = True, q4_kernels: bool = True,
         max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
     ) -> None:
         self.model = loaded.model
         if pack_weights and can_pack_weights(device, dtype):
-            self.model.pack_cpu_weights()
+            self.model.pack_cpu_weights(q4_kernels and dtype == torch.float32)
             start = time.perf_counter()
             self.model.warm_up_packed(max_num_batched_tokens + max_num_seqs, max_num_seqs)
             logger.info("CPU kernels for every batch shape built in %.1fs", time.perf_counter() - start)

@@ -43,13 +43,19 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.role:
         args.publish_kv_events = True  # the conductor drains them through /internal/state
-    engine = Engine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+
+    def make_metrics(engine: Engine) -> ServerMetrics:
+        metrics = ServerMetrics(args.served_model_name or engine.loaded.name)
+        metrics.watch_store(engine)
+        return metrics
+
+    async_engine = AsyncEngine.launch(lambda: Engine(config), make_metrics, max_queue=args.max_queue)
+    engine = async_engine.engine
     name = args.served_model_name or engine.loaded.name
     sched_cfg = engine.scheduler.config
-    metrics = ServerMetrics(name)
-    metrics.watch_store(engine)
     state = ServerState(
-        engine=AsyncEngine(engine, metrics, max_queue=args.max_queue),
+        engine=async_engine,
         tokenizer=engine.tokenizer, model_name=name, aliases=frozenset({engine.loaded.name}),
         max_model_len=engine.max_model_len, kv_capacity_tokens=sched_cfg.num_blocks * sched_cfg.block_size,
         api_key=args.api_key,

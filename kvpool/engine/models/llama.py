@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention, write_kv
+from kvpool.engine.kernels import q4_linear_available
+from kvpool.engine.models.quantized import MAX_ROWS as MAX_Q4_ROWS
+from kvpool.engine.models.quantized import Q4Linear, q4_groups
 from kvpool.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -291,6 +294,7 @@ class LlamaForCausal(nn.Module):
         self.rotary = Rotary(config)
         self.lm_head: nn.Parameter | None = None
         self._packed_head: PackedLinear | None = None
+        self._q4_rows = 0  # batches up to this many rows run on 4-bit weights
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.randn(config.vocab_size, config.hidden_size) * 0.02)
 
@@ -303,9 +307,10 @@ class LlamaForCausal(nn.Module):
         meta: AttentionMetadata,
     ) -> Tensor:
         num_tokens = input_ids.shape[0]
-        if self._packed_head is not None:
+        if self._packed_head is not None and num_tokens > self._q4_rows:
             # Pad once to the packed kernels' row bucket so the MLP and QKV projections take
             # their input as is (attention runs on the real rows only, o_proj pads its own).
+            # 4-bit kernels take any row count: padding would only add work.
             input_ids = pad_rows(input_ids, row_bucket(num_tokens))
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
@@ -320,26 +325,38 @@ class LlamaForCausal(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()
 
-    def pack_cpu_weights(self) -> None:
+    def pack_cpu_weights(self, q4_kernels: bool = False) -> None:
         """Swap every projection (and the LM head) for a oneDNN-packed copy, once the weights
-        are loaded; the embedding table stays as it is for the lookup."""
+        are loaded; the embedding table stays as it is for the lookup. With `q4_kernels`, a
+        projection whose weights are exactly 4-bit groups also keeps those for small batches."""
         if self._packed_head is not None:
             return
+        q4_kernels = q4_kernels and q4_linear_available()
+        served_q4 = 0
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
                 lin = getattr(owner, name)
-                setattr(owner, name, PackedLinear(lin.weight, lin.bias))
+                packed: nn.Module = PackedLinear(lin.weight, lin.bias)
+                groups = q4_groups(lin.weight) if q4_kernels else None
+                if groups is not None:
+                    packed, served_q4 = Q4Linear(packed, groups, packed.bias), served_q4 + 1
+                setattr(owner, name, packed)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         self._packed_head = PackedLinear(head, None)
+        self._q4_rows = MAX_Q4_ROWS if served_q4 else 0
+        if q4_kernels:
+            logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups",
+                        served_q4, 4 * len(self.layers), MAX_Q4_ROWS)
 
     def warm_up_packed(self, max_tokens: int, max_logit_rows: int) -> None:
         """Pre-build oneDNN kernels for every padded size a step can produce (one layer's
         projections suffice: kernels are shared by shape)."""
         layer = self.layers[0]
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if isinstance(lin, PackedLinear):
-                lin.warm_up(max_tokens)
+            dense = lin.dense if isinstance(lin, Q4Linear) else lin
+            if isinstance(dense, PackedLinear):
+                dense.warm_up(max_tokens)
         if self._packed_head is not None:
             self._packed_head.warm_up(max_logit_rows)
 
