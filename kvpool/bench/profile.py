@@ -179,7 +179,8 @@ def profile_document(engine: Engine, samples: list[dict], wall_s: float) -> dict
         "hardware": "cpu" if engine.device.type == "cpu" else engine.device.type,
         "block_size": cfg.block_size,
         "engine": {"name": engine.loaded.name, "dtype": engine.config.dtype, "threads": torch.get_num_threads(),
-                   "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_blocks": cfg.num_blocks},
+                   "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_blocks": cfg.num_blocks,
+                   "q4_rows": engine.runner.model.q4_rows},
         "wall_s": wall_s,
         "samples": samples,
     }
@@ -209,7 +210,7 @@ def main(args: argparse.Namespace) -> int:
     args.out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     from kvpool.sim.cost_model import fit_step_model
 
-    fit = fit_step_model(doc["samples"])
+    fit = fit_step_model(doc["samples"], doc["engine"]["q4_rows"])
     print(f"{len(doc['samples'])} steps measured in {doc['wall_s']:.1f} s -> {args.out}; "
           f"linear fit relative RMS error {fit.rel_rmse:.1%}")
     return 0

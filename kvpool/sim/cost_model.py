@@ -172,15 +172,19 @@ class RooflineCostModel:
         return self.transfers.transfer_time(num_blocks)
 
 
-FEATURES = ("intercept", "num_seqs", "prefill_tokens", "prefill_chunks", "prefill_pairs", "decode_kv")
+FEATURES = ("intercept", "num_seqs", "prefill_tokens", "prefill_chunks", "prefill_pairs", "decode_kv",
+            "dense_step", "q4_tokens")
 
 
-def step_features(new_tokens: list[int], context_lens: list[int]) -> list[float]:
+def step_features(new_tokens: list[int], context_lens: list[int], dense_above: int = 0) -> list[float]:
     """The regressors of a step, shaped like the engine's work: a fixed overhead (weights
     streamed once per step), per-sequence work (a decode row costs little more: it rides on
     the weights' stream), per prefill token (matmuls, compute-bound), one attention call per
-    prefill chunk, the chunks' causal (query, key) pairs, and decode attention, which reads
-    every decoding row's KV padded to the longest decode context."""
+    prefill chunk, the chunks' causal (query, key) pairs, decode attention, which reads
+    every decoding row's KV padded to the longest decode context. An engine with 4-bit
+    kernels (`dense_above` > 0) serves steps of at most that many tokens from a sixth of the
+    weight bytes, at a compute cost per token the dense kernels do not have: whether the
+    step streams the dense weights, and the tokens of a 4-bit step."""
     chunks = prefill = pairs = decodes = longest = 0
     for n, c in zip(new_tokens, context_lens, strict=True):
         if n == 1:
@@ -190,7 +194,11 @@ def step_features(new_tokens: list[int], context_lens: list[int]) -> list[float]
             chunks += 1
             prefill += n
             pairs += n * c - n * (n - 1) // 2
-    return [1.0, float(len(new_tokens)), float(prefill), float(chunks), float(pairs), float(decodes * longest)]
+    tokens = decodes + prefill
+    dense = bool(dense_above) and tokens > dense_above
+    q4_tokens = float(tokens) if dense_above and not dense else 0.0
+    return [1.0, float(len(new_tokens)), float(prefill), float(chunks), float(pairs), float(decodes * longest),
+            float(dense), q4_tokens]
 
 
 @dataclass(slots=True, frozen=True)
@@ -199,23 +207,26 @@ class FittedStepModel:
 
     coef: tuple[float, ...]
     rel_rmse: float = 0.0  # relative RMS error on the samples it was fitted to
+    dense_above: int = 0  # the profiled engine's 4-bit kernel limit (0: none)
 
     def predict(self, new_tokens: list[int], context_lens: list[int]) -> float:
         if not new_tokens:
             return 0.0
-        return float(sum(c * x for c, x in zip(self.coef, step_features(new_tokens, context_lens), strict=True)))
+        x = step_features(new_tokens, context_lens, self.dense_above)
+        return float(sum(c * v for c, v in zip(self.coef, x, strict=True)))
 
     def to_dict(self) -> dict:
-        return {"features": list(FEATURES), "coef": list(self.coef), "rel_rmse": self.rel_rmse}
+        return {"features": list(FEATURES), "coef": list(self.coef), "rel_rmse": self.rel_rmse,
+                "dense_above": self.dense_above}
 
 
-def fit_step_model(samples: list[dict]) -> FittedStepModel:
+def fit_step_model(samples: list[dict], dense_above: int = 0) -> FittedStepModel:
     """Least squares over measured steps (profile schema in MeasuredCostModel), weighted by
     1/seconds so short decode steps count as much as long prefills. Features whose
     coefficient comes out negative are dropped and the rest refitted (a simple NNLS)."""
     if len(samples) < 2:
         raise ConfigError(f"need at least 2 profile samples to fit, got {len(samples)}")
-    x = np.array([step_features(s["new_tokens"], s["context_lens"]) for s in samples])
+    x = np.array([step_features(s["new_tokens"], s["context_lens"], dense_above) for s in samples])
     y = np.array([float(s["seconds"]) for s in samples])
     if (y <= 0).any():
         raise ConfigError("profile samples must have seconds > 0")
@@ -230,7 +241,7 @@ def fit_step_model(samples: list[dict]) -> FittedStepModel:
     coef[active] = np.clip(sol, 0.0, None)
     rel = float(np.sqrt(np.mean(((x @ coef - y) / y) ** 2)))
     logger.info("fitted step model coef=%s rel_rmse=%.3f on %d samples", coef, rel, len(samples))
-    return FittedStepModel(tuple(float(c) for c in coef), rel)
+    return FittedStepModel(tuple(float(c) for c in coef), rel, dense_above)
 
 
 @dataclass(slots=True)
@@ -241,10 +252,12 @@ class MeasuredCostModel:
 
         {"model": "smollm2-135m", "hardware": "cpu", "block_size": 16,
          "samples": [{"num_seqs": 2, "new_tokens": [1, 1], "context_lens": [40, 81],
-                      "seconds": 0.031}, ...]}
+                      "seconds": 0.031}, ...],
+         "engine": {"q4_rows": 16, ...}}
 
     `model` and `hardware` name presets (used for KV bytes and link speeds); each sample is
-    one measured step with the per-sequence new tokens and context lengths after the step.
+    one measured step with the per-sequence new tokens and context lengths after the step;
+    `engine.q4_rows` (optional) is the engine's 4-bit kernel limit, which the step model needs.
     """
 
     fitted: FittedStepModel
@@ -253,21 +266,30 @@ class MeasuredCostModel:
 
     @classmethod
     def from_samples(
-        cls, samples: list[dict], model: ModelSpec, hardware: HardwareSpec, block_size: int, tp: int = 1
+        cls, samples: list[dict], model: ModelSpec, hardware: HardwareSpec, block_size: int, tp: int = 1,
+        dense_above: int = 0,
     ) -> MeasuredCostModel:
         tpar = TensorParallel(model, hardware, tp)
-        return cls(fit_step_model(samples), TransferCosts.from_specs(tpar, block_size, 0.7))
+        return cls(fit_step_model(samples, dense_above), TransferCosts.from_specs(tpar, block_size, 0.7))
+
+    @classmethod
+    def from_document(cls, profile: dict) -> MeasuredCostModel:
+        """From a parsed profile (`kvpool bench profile`'s JSON)."""
+        missing = {"model", "hardware", "block_size", "samples"} - profile.keys()
+        if missing:
+            raise ConfigError(f"profile lacks keys {sorted(missing)}")
+        return cls.from_samples(
+            profile["samples"], get_model(profile["model"]), get_hardware(profile["hardware"]),
+            int(profile["block_size"]), dense_above=int(profile.get("engine", {}).get("q4_rows", 0)),
+        )
 
     @classmethod
     def from_profile(cls, path: str | Path) -> MeasuredCostModel:
         profile = json.loads(Path(path).read_text())
-        missing = {"model", "hardware", "block_size", "samples"} - profile.keys()
-        if missing:
-            raise ConfigError(f"profile {path} lacks keys {sorted(missing)}")
-        out = cls.from_samples(
-            profile["samples"], get_model(profile["model"]), get_hardware(profile["hardware"]),
-            int(profile["block_size"]),
-        )
+        try:
+            out = cls.from_document(profile)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
         out.source = {"path": str(path), "model": profile["model"], "hardware": profile["hardware"]}
         return out
 

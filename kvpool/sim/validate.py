@@ -26,7 +26,6 @@ from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sim.cost_model import MeasuredCostModel
 from kvpool.sim.instance import simulate_offline, simulate_poisson
 from kvpool.sim.metrics import format_table, summarize, write_json
-from kvpool.sim.presets import get_hardware, get_model
 from kvpool.sim.workloads import OUTPUT_CHUNK_BASE, SYNTHETIC_CHUNK_BASE, SimRequest, arrival_times
 
 logger = logging.getLogger(__name__)
@@ -92,8 +91,7 @@ def _row(metric: str, engine_value: float, sim_value: float) -> dict:
 
 def validate(profile: dict, spec: ValidateSpec, engine: Engine) -> dict:
     """Run both comparisons on `engine` with a cost model fitted to `profile`."""
-    cost = MeasuredCostModel.from_samples(profile["samples"], get_model(profile["model"]),
-                                          get_hardware(profile["hardware"]), int(profile["block_size"]))
+    cost = MeasuredCostModel.from_document(profile)
     cfg = engine.scheduler.config
     prompts = make_workload(spec.num_requests, spec.input_len_min, spec.input_len_max,
                             engine.loaded.config.vocab_size, spec.seed)

@@ -13,11 +13,12 @@ from kvpool.sim.instance import simulate_offline
 from kvpool.sim.presets import get_hardware, get_model
 from kvpool.sim.validate import sim_requests
 
-LAW = (0.02, 0.001, 0.0005, 0.004, 2e-8, 1e-6)  # seconds per FEATURES unit
+LAW = (0.02, 0.001, 0.0005, 0.004, 2e-8, 1e-6, 0.01, 0.002)  # seconds per FEATURES unit
+DENSE_ABOVE = 16  # steps of more tokens pay the dense-weights term
 
 
 def _law_seconds(new_tokens, context_lens) -> float:
-    return float(np.dot(LAW, step_features(new_tokens, context_lens)))
+    return float(np.dot(LAW, step_features(new_tokens, context_lens, DENSE_ABOVE)))
 
 
 def test_simulator_reproduces_a_known_linear_step_law():
@@ -31,7 +32,10 @@ def test_simulator_reproduces_a_known_linear_step_law():
         new = [int(rng.integers(2, 300)) for _ in range(chunks)] + [1] * (b - chunks)
         ctx = [n + int(rng.integers(0, 800)) for n in new]
         samples.append({"num_seqs": b, "new_tokens": new, "context_lens": ctx, "seconds": _law_seconds(new, ctx)})
-    cost = MeasuredCostModel.from_samples(samples, get_model("smollm2-135m"), get_hardware("cpu"), 16)
+    dense = FEATURES.index("dense_step")
+    assert 5 < sum(step_features(s["new_tokens"], s["context_lens"], DENSE_ABOVE)[dense] for s in samples) < 35
+    cost = MeasuredCostModel.from_samples(samples, get_model("smollm2-135m"), get_hardware("cpu"), 16,
+                                          dense_above=DENSE_ABOVE)
     assert len(cost.fitted.coef) == len(FEATURES)
     assert cost.fitted.rel_rmse < 1e-6
     prompts = [list(range(n)) for n in (40, 97, 200, 33)]
@@ -89,7 +93,8 @@ def test_fitted_model_predicts_the_engine_steps_it_was_fitted_on(engine):
         engine.add_request(p, params)
     rec.drain()
     engine.scheduler.schedule = rec._schedule  # unwrap for the next test
-    cost = MeasuredCostModel.from_samples(rec.samples, get_model("smollm2-135m"), get_hardware("cpu"), 16)
+    cost = MeasuredCostModel.from_samples(rec.samples, get_model("smollm2-135m"), get_hardware("cpu"), 16,
+                                          dense_above=engine.runner.model.q4_rows)
     run = simulate_offline(sim_requests(prompts, 8, [0.0] * 8), engine.scheduler.config, cost)
     assert run.instance.counters.steps == len(rec.samples)
     measured = sum(s["seconds"] for s in rec.samples)

@@ -294,7 +294,7 @@ class LlamaForCausal(nn.Module):
         self.rotary = Rotary(config)
         self.lm_head: nn.Parameter | None = None
         self._packed_head: PackedLinear | None = None
-        self._q4_rows = 0  # batches up to this many rows run on 4-bit weights
+        self.q4_rows = 0  # batches up to this many rows run on 4-bit weights
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.randn(config.vocab_size, config.hidden_size) * 0.02)
 
@@ -307,7 +307,7 @@ class LlamaForCausal(nn.Module):
         meta: AttentionMetadata,
     ) -> Tensor:
         num_tokens = input_ids.shape[0]
-        if self._packed_head is not None and num_tokens > self._q4_rows:
+        if self._packed_head is not None and num_tokens > self.q4_rows:
             # Pad once to the packed kernels' row bucket so the MLP and QKV projections take
             # their input as is (attention runs on the real rows only, o_proj pads its own).
             # 4-bit kernels take any row count: padding would only add work.
@@ -344,7 +344,7 @@ class LlamaForCausal(nn.Module):
                 setattr(owner, name, packed)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         self._packed_head = PackedLinear(head, None)
-        self._q4_rows = MAX_Q4_ROWS if served_q4 else 0
+        self.q4_rows = MAX_Q4_ROWS if served_q4 else 0
         if q4_kernels:
             logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups",
                         served_q4, 4 * len(self.layers), MAX_Q4_ROWS)
