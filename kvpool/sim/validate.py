@@ -22,6 +22,7 @@ from kvpool.bench.profile import run_profile
 from kvpool.bench.throughput import make_workload
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
+from kvpool.errors import ConfigError
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sim.cost_model import MeasuredCostModel
 from kvpool.sim.instance import simulate_offline, simulate_poisson
@@ -39,6 +40,7 @@ class ValidateSpec:
     output_len: int = 32
     rate: float | None = None  # req/s of the Poisson run; None = half the measured offline rate
     seed: int = 0
+    repeats: int = 3  # engine runs per metric, each after its own quick profile when none is given
 
 
 def sim_requests(prompts: list[list[int]], output_len: int, arrivals: list[float]) -> list[SimRequest]:
@@ -84,54 +86,75 @@ def engine_poisson(engine: Engine, prompts: list[list[int]], output_len: int, ar
     return {"ttft_s": float(np.mean(ttft)), "tpot_s": float(np.mean(tpot))}
 
 
-def _row(metric: str, engine_value: float, sim_value: float) -> dict:
-    return {"metric": metric, "engine": engine_value, "sim": sim_value,
+def _row(metric: str, engine_runs: list[float], sim_value: float) -> dict:
+    engine_value = float(np.mean(engine_runs))
+    return {"metric": metric, "engine": engine_value, "engine_min": min(engine_runs),
+            "engine_max": max(engine_runs), "sim": sim_value,
             "rel_error": (sim_value - engine_value) / engine_value}
 
 
-def validate(profile: dict, spec: ValidateSpec, engine: Engine) -> dict:
-    """Run both comparisons on `engine` with a cost model fitted to `profile`."""
-    cost = MeasuredCostModel.from_document(profile)
+def validate(spec: ValidateSpec, engine: Engine, profile: dict | None = None) -> dict:
+    """Run both comparisons `spec.repeats` times on `engine` and compare their means with the
+    simulator. Without a `profile`, a quick profile precedes every repeat and the cost model
+    is fitted to all of them: this machine's speed drifts by 10-20% over minutes, so profile
+    and runs interleave to see the same machine."""
     cfg = engine.scheduler.config
-    prompts = make_workload(spec.num_requests, spec.input_len_min, spec.input_len_max,
-                            engine.loaded.config.vocab_size, spec.seed)
-    elapsed, out_tokens = engine_offline(engine, prompts, spec.output_len)
+    vocab = engine.loaded.config.vocab_size
+    prompts = make_workload(spec.num_requests, spec.input_len_min, spec.input_len_max, vocab, spec.seed)
+    prompts2 = make_workload(spec.num_requests, spec.input_len_min, spec.input_len_max, vocab, spec.seed + 1)
+    doc, samples = profile, list(profile["samples"]) if profile else []
+    offline, ttft, tpot = [], [], []
+    arrivals: list[float] = []
+    for r in range(spec.repeats):
+        if profile is None:
+            engine.scheduler.kv.reset_prefix_cache()
+            doc = run_profile(engine.config, "quick", spec.seed + r, engine=engine)
+            samples += doc["samples"]
+        engine.scheduler.kv.reset_prefix_cache()
+        elapsed, out_tokens = engine_offline(engine, prompts, spec.output_len)
+        offline.append(out_tokens / elapsed)
+        if not arrivals:
+            rate = spec.rate or 0.5 * len(prompts) / elapsed
+            arrivals = arrival_times(np.random.default_rng(spec.seed + 1), len(prompts2), rate).tolist()
+        engine.scheduler.kv.reset_prefix_cache()
+        real = engine_poisson(engine, prompts2, spec.output_len, arrivals)
+        ttft.append(real["ttft_s"])
+        tpot.append(real["tpot_s"])
+        logger.info("repeat %d/%d: offline %.1f tok/s, TTFT %.3f s, TPOT %.4f s",
+                    r + 1, spec.repeats, offline[-1], ttft[-1], tpot[-1])
+    cost = MeasuredCostModel.from_document({**doc, "samples": samples})
     sim = simulate_offline(sim_requests(prompts, spec.output_len, [0.0] * len(prompts)), cfg, cost)
-    rows = [_row("offline output tokens/s", out_tokens / elapsed, len(prompts) * spec.output_len / sim.end_s)]
-    rate = spec.rate or 0.5 * len(prompts) / elapsed
-    rng = np.random.default_rng(spec.seed + 1)
-    arrivals = arrival_times(rng, len(prompts), rate).tolist()
-    prompts2 = make_workload(spec.num_requests, spec.input_len_min, spec.input_len_max,
-                             engine.loaded.config.vocab_size, spec.seed + 1)
-    real = engine_poisson(engine, prompts2, spec.output_len, arrivals)
     s = summarize(simulate_poisson(sim_requests(prompts2, spec.output_len, arrivals), cfg, cost).metrics)
-    rows.append(_row("poisson mean TTFT (s)", real["ttft_s"], s["ttft_s"]["mean"]))
-    rows.append(_row("poisson mean TPOT (s)", real["tpot_s"], s["tpot_s"]["mean"]))
+    rows = [_row("offline output tokens/s", offline, len(prompts) * spec.output_len / sim.end_s),
+            _row("poisson mean TTFT (s)", ttft, s["ttft_s"]["mean"]),
+            _row("poisson mean TPOT (s)", tpot, s["tpot_s"]["mean"])]
     return {"rows": rows, "rate_rps": rate, "spec": asdict(spec), "fit_rel_rmse": cost.fitted.rel_rmse,
-            "profile_samples": len(profile["samples"])}
+            "profile_samples": len(samples)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, default=None,
-                   help="a `kvpool bench profile` JSON (default: run the quick profile first)")
+                   help="a `kvpool bench profile` JSON (default: a quick profile before each repeat)")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rate", type=float, default=None, help="Poisson req/s (default: half the offline rate)")
+    p.add_argument("--repeats", type=int, default=3, help="engine runs averaged per metric")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("sim-out"))
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     engine = Engine(EngineConfig())
-    if args.profile is not None:
-        profile = json.loads(args.profile.read_text())
-    else:
-        profile = run_profile(engine.config, "quick", args.seed, engine=engine)
-    spec = ValidateSpec(num_requests=args.num_requests, output_len=args.output_len, rate=args.rate, seed=args.seed)
-    res = validate(profile, spec, engine)
+    profile = json.loads(args.profile.read_text()) if args.profile is not None else None
+    spec = ValidateSpec(num_requests=args.num_requests, output_len=args.output_len, rate=args.rate,
+                        seed=args.seed, repeats=args.repeats)
+    res = validate(spec, engine, profile)
     print(format_table(res["rows"]))
     print(f"Poisson rate {res['rate_rps']:.3f} req/s; step-model fit error {res['fit_rel_rmse']:.1%} "
-          f"on {res['profile_samples']} profiled steps")
+          f"on {res['profile_samples']} profiled steps; engine columns: mean, min and max of "
+          f"{spec.repeats} runs")
     path = write_json(args.out / "validate.json", res)
     print(f"wrote {path}")
     return 0

@@ -107,8 +107,9 @@ def test_validate_compares_engine_and_simulator(engine):
     from kvpool.sim.validate import ValidateSpec, validate
 
     profile = run_profile(engine.config, "tiny", engine=engine)
-    res = validate(profile, ValidateSpec(num_requests=6, output_len=8), engine)
+    res = validate(ValidateSpec(num_requests=6, output_len=8, repeats=2), engine, profile)
     assert [r["metric"] for r in res["rows"]] == ["offline output tokens/s", "poisson mean TTFT (s)",
                                                    "poisson mean TPOT (s)"]
     assert all(r["engine"] > 0 and r["sim"] > 0 and math.isfinite(r["rel_error"]) for r in res["rows"])
+    assert all(r["engine_min"] <= r["engine"] <= r["engine_max"] for r in res["rows"])
     assert abs(res["rows"][0]["rel_error"]) < 0.5  # loose: the tiny profile and a shared CPU are noisy
