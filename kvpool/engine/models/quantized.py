@@ -22,21 +22,32 @@ def q4_groups(weight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     n, k = weight.shape
     if weight.dtype != torch.float32 or k % GROUP:
         return None
-    groups = weight.detach().reshape(n, k // GROUP, GROUP)
+    groups = weight.detach().reshape(-1, GROUP)
     low = groups.amin(-1)
     span = groups.amax(-1) - low
-    steps = groups.sort(-1).values.diff(dim=-1)
-    smallest = torch.where(steps > 0, steps, torch.inf).amin(-1)  # a multiple of the scale
-    levels = torch.where(span > 0, (span / smallest).round(), 0)
-    scale = torch.where(levels > 0, span / levels.clamp(min=1), 0).half().float()
-    q = torch.where(scale[..., None] > 0, (groups - low[..., None]) / scale[..., None], 0).round()
-    if not bool(((q >= 0) & (q <= 15)).all()):
-        return None
-    if not torch.equal(q * scale[..., None] + low[..., None], groups):
-        return None
+    # A Q4_1 quantizer maps a group's max to 15; where it did not, the smallest gap between
+    # distinct weights is a multiple of the scale.
+    scale = (span / 15).half().float()
+    q, exact = _levels(groups, low, scale)
+    if not bool(exact.all()):
+        odd = (~exact).nonzero().squeeze(1)
+        steps = groups[odd].sort(-1).values.diff(dim=-1)
+        smallest = torch.where(steps > 0, steps, torch.inf).amin(-1)
+        levels = (span[odd] / smallest).round().clamp(min=1)
+        scale[odd] = (span[odd] / levels).half().float()
+        q[odd], exact[odd] = _levels(groups[odd], low[odd], scale[odd])
+        if not bool(exact.all()):
+            return None
     q = q.to(torch.uint8)
-    nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-    return nibbles, scale.contiguous(), low.contiguous()
+    nibbles = (q[:, :16] | (q[:, 16:] << 4)).reshape(n, k // 2).contiguous()
+    return nibbles, scale.reshape(n, k // GROUP).contiguous(), low.reshape(n, k // GROUP).contiguous()
+
+
+def _levels(groups: Tensor, low: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """Each weight's level under (scale, low), and which groups it reproduces bit for bit."""
+    q = torch.where(scale[:, None] > 0, (groups - low[:, None]) / scale[:, None], 0).round()
+    exact = ((q * scale[:, None] + low[:, None]) == groups).all(-1) & (q >= 0).all(-1) & (q <= 15).all(-1)
+    return q, exact
 
 
 class Q4Linear(nn.Module):
@@ -50,7 +61,7 @@ class Q4Linear(nn.Module):
         self.bias = bias
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[0] > MAX_ROWS or x.dtype != torch.float32:
+        if x.shape[0] > MAX_ROWS:
             return self.dense(x)
         y = torch.ops.kvpool.q4_linear(x, self.nibbles, self.scale, self.mins)
         return y if self.bias is None else y + self.bias
