@@ -23,7 +23,9 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 def build_dir() -> Path:
     base = Path(os.environ.get("KVPOOL_CACHE_DIR") or Path.home() / ".cache" / "kvpool")
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    # -march=native: a cache shared between machines must not hand one CPU's build to another
+    machine = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {' '.join(FLAGS)}"
+    digest = hashlib.sha256(SOURCE.read_bytes() + machine.encode())
     return base / "kernels" / digest.hexdigest()[:12]
 
 
