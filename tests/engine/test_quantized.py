@@ -11,11 +11,11 @@ from kvpool.engine.models.quantized import MAX_ROWS, Q4Linear, q4_groups
 needs_kernel = pytest.mark.skipif(not q4_linear_available(), reason="no C++ compiler for the 4-bit kernel")
 
 
-def q4_1_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+def q4_1_weight(n: int, k: int, seed: int = 0, top: int = 15) -> torch.Tensor:
     """A float weight made the way GGUF's Q4_1 dequantizes: float16 scale and min per 32."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
-    q[..., 0], q[..., 1] = 0, 15  # the quantizer maps each group's min to 0 and max to 15
+    q = torch.randint(0, top + 1, (n, k // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, top  # the quantizer maps each group's min to 0 and max to 15
     scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).half().float()
     low = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
     return (q * scale + low).reshape(n, k)
@@ -29,6 +29,12 @@ def test_groups_are_recovered_only_from_exact_4bit_weights():
     assert q4_groups(w[:, :90].contiguous()) is None  # K not a multiple of the group
     constant = torch.full((8, 32), 0.25)
     assert q4_groups(constant) is not None  # a group of equal weights is scale 0, min w
+    for top in (15, 11):  # 11: groups whose max is not level 15 (the slower, sorting path)
+        weight = q4_1_weight(16, 64, seed=top, top=top)
+        nibbles, scale, mins = q4_groups(weight)
+        per_group = nibbles.reshape(16, 2, 16)  # byte j: level j low, level j + 16 high
+        levels = torch.cat((per_group & 15, per_group >> 4), dim=-1).float()
+        assert torch.equal(levels * scale[..., None] + mins[..., None], weight.reshape(16, 2, 32))
 
 
 @needs_kernel
