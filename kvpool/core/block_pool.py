@@ -95,7 +95,7 @@ class BlockPool:
         self.block_tokens: list[int] = [0] * num_blocks  # slots holding (or reserved for) a token
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields block 0 first
-        self._evictable: EvictionPolicy = make_policy(eviction_policy)
+        self._evictable: EvictionPolicy = make_policy(eviction_policy, num_blocks)
         self._cached: dict[BlockHash, int] = {}
         self._tokens_in_use = 0
         self.events = KVEvents() if record_events else None
@@ -170,6 +170,7 @@ class BlockPool:
         """Add one reference to each block; cached ones leave the eviction order."""
         ref, tokens, hashes = self.ref_counts, self.block_tokens, self.block_hashes
         idle: list[int] = []
+        revived = 0
         try:
             for b in block_ids:
                 rc = ref[b]
@@ -177,9 +178,10 @@ class BlockPool:
                     if hashes[b] is None:
                         raise KVStateError(f"block {b} is free; allocate it instead of sharing it")
                     idle.append(b)
-                    self._tokens_in_use += tokens[b]
+                    revived += tokens[b]
                 ref[b] = rc + 1
         finally:
+            self._tokens_in_use += revived
             self._evictable.remove_many(idle)
 
     def decref(self, block_id: int) -> None:
@@ -194,16 +196,18 @@ class BlockPool:
         try:
             for b in block_ids:
                 rc = ref[b]
-                if rc <= 0:
-                    raise KVStateError(f"block {b} is already free (double free)")
-                ref[b] = rc - 1
                 if rc == 1:
+                    ref[b] = 0
                     released += tokens[b]
                     if hashes[b] is not None:
                         cached.append(b)
                     else:
                         tokens[b] = 0
                         free.append(b)
+                elif rc > 1:
+                    ref[b] = rc - 1
+                else:
+                    raise KVStateError(f"block {b} is already free (double free)")
         finally:
             self._tokens_in_use -= released
             self._evictable.insert_many(cached)
@@ -236,7 +240,7 @@ class BlockPool:
         setdefault = self._cached.setdefault
         for b, h in zip(block_ids, hashes, strict=True):
             # an unregistered block is in no entry, so setdefault returns b only if h was new
-            if current[b] is None and setdefault(h, b) == b:
+            if current[b] is None and setdefault(h, b) is b:
                 current[b] = h
                 if stored is not None:
                     stored.append(h)
@@ -269,8 +273,9 @@ class BlockPool:
         victims = self._evictable.pop_victims(n)
         current, cached = self.block_hashes, self._cached
         hashes = [current[b] for b in victims]
-        for b, h in zip(victims, hashes, strict=True):
+        for h in hashes:
             del cached[h]
+        for b in victims:
             current[b] = None
         if self.events is not None:
             self.events.evicted.extend(hashes)

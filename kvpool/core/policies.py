@@ -2,9 +2,9 @@
 
 A policy orders the *evictable* keys of one cache. The cache tells it when a key becomes
 evictable (`insert`), is used again while staying evictable (`touch`), stops being evictable
-(`remove`), and asks it for the next victim (`pop_victim`). LRU and LFU are O(1) per operation, FIFO O(log n).
-The batch forms (`insert_many`, `remove_many`, `pop_victims`) move a whole prompt's blocks in one
-call; LRU does them with its ordered dict's own loops.
+(`remove`), and asks it for the next victim (`pop_victim`). LRU and LFU are O(1) per operation
+(LRU amortized), FIFO O(log n). The batch forms (`insert_many`, `remove_many`, `pop_victims`)
+move a whole prompt's blocks in one call; LRU does them mostly at C speed.
 """
 
 from __future__ import annotations
@@ -62,54 +62,171 @@ class _Batched:
         return [self.pop_victim() for _ in range(n)]
 
 
-class LRUPolicy:
-    """Least recently used first. Insert order is recency order, so a cache that inserts a
-    freed sequence's blocks tail-first evicts the tail (least shareable) blocks first."""
+class _DictStamps:
+    """Each evictable key's stamp, for any hashable keys."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._stamp_of: dict[Hashable, object] = {}
 
-    def insert(self, key: Hashable) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+    def live(self, keys: Iterable[Hashable], stamps: Iterable[object]) -> list[Hashable]:
+        """The keys whose stamp is the one at the same position of `stamps`."""
+        get = self._stamp_of.get
+        return [key for key, stamp in zip(keys, stamps, strict=True) if get(key) is stamp]
 
-    def touch(self, key: Hashable) -> None:
-        self._order.move_to_end(key)
+    def stamps(self, keys: Iterable[Hashable]) -> list[object]:
+        """The stamp of each key (all evictable)."""
+        return list(map(self._stamp_of.__getitem__, keys))
 
-    def remove(self, key: Hashable) -> None:
-        del self._order[key]
+    def assign(self, keys: list[Hashable], stamp: object) -> bool:
+        """Give every key `stamp`; True when a key repeats in `keys`."""
+        self._stamp_of.update(zip(keys, repeat(stamp)))
+        return len(keys) > 1 and len(set(keys)) < len(keys)
 
-    def pop_victim(self) -> Hashable:
-        if not self._order:
-            raise KeyError("no evictable key")
-        return self._order.popitem(last=False)[0]
-
-    def insert_many(self, keys: Iterable[Hashable]) -> None:
-        order = self._order
-        keys = list(keys)
-        size = len(order)
-        order.update(zip(keys, repeat(None)))  # appends the new keys in order
-        if len(order) - size != len(keys):  # some were evictable already: move them too
-            move = order.move_to_end
-            for key in keys:
-                move(key)
-
-    def remove_many(self, keys: Iterable[Hashable]) -> None:
-        order = self._order
+    def drop(self, keys: Iterable[Hashable]) -> None:
+        """Forget the keys; KeyError at the first one not evictable."""
+        stamp_of = self._stamp_of
         for key in keys:
-            del order[key]
-
-    def pop_victims(self, n: int) -> list[Hashable]:
-        if n > len(self._order):
-            raise KeyError(f"{n} victims wanted, {len(self._order)} evictable")
-        pop = self._order.popitem
-        return [pop(last=False)[0] for _ in range(n)]
+            del stamp_of[key]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._stamp_of
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._stamp_of)
+
+
+class _ListStamps:
+    """`_DictStamps` for the ints 0 .. size-1 (a pool's block ids): a list slot per key
+    instead of a dict entry, so no hashing."""
+
+    def __init__(self, size: int) -> None:
+        self._stamp_of: list[object | None] = [None] * size
+        self._len = 0
+
+    def live(self, keys: Iterable[int], stamps: Iterable[object]) -> list[int]:
+        stamp_of = self._stamp_of
+        return [key for key, stamp in zip(keys, stamps, strict=True) if stamp_of[key] is stamp]
+
+    def stamps(self, keys: Iterable[int]) -> list[object]:
+        stamp_of = self._stamp_of
+        return [stamp_of[key] for key in keys]
+
+    def assign(self, keys: list[int], stamp: object) -> bool:
+        stamp_of = self._stamp_of
+        added = 0
+        repeated = False
+        for key in keys:
+            old = stamp_of[key]
+            if old is None:
+                added += 1
+            elif old is stamp:
+                repeated = True
+            stamp_of[key] = stamp
+        self._len += added
+        return repeated
+
+    def drop(self, keys: Iterable[int]) -> None:
+        stamp_of = self._stamp_of
+        dropped = 0
+        try:
+            for key in keys:
+                if stamp_of[key] is None:
+                    raise KeyError(key)
+                stamp_of[key] = None
+                dropped += 1
+        finally:
+            self._len -= dropped
+
+    def __contains__(self, key: object) -> bool:
+        return self._stamp_of[key] is not None  # type: ignore[index]
+
+    def __len__(self) -> int:
+        return self._len
+
+
+class LRUPolicy:
+    """Least recently used first. Insert order is recency order, so a cache that inserts a
+    freed sequence's blocks tail-first evicts the tail (least shareable) blocks first.
+
+    A block pool moves whole prompts (thousands of blocks) in and out, so the order is a log
+    that batches append to and victims are read from, with one stamp write per key: `_keys`
+    logs the inserted keys in order and `_stamps` the stamp of their insertion at the same
+    positions (one new object per `insert_many`), and `_slots` holds each evictable key's
+    latest stamp. An entry is live while its key's stamp is still the entry's (an identity
+    test): a later insert, touch or remove of the key leaves it stale. Victims are the live
+    entries from `_head` on. With `num_keys`, keys are the ints below it (block ids).
+    """
+
+    def __init__(self, num_keys: int | None = None) -> None:
+        self._slots = _DictStamps() if num_keys is None else _ListStamps(num_keys)
+        self._keys: list[Hashable] = []
+        self._stamps: list[object] = []
+        self._head = 0
+
+    def insert(self, key: Hashable) -> None:
+        self.insert_many((key,))
+
+    def touch(self, key: Hashable) -> None:
+        if key not in self._slots:
+            raise KeyError(key)
+        self.insert_many((key,))
+
+    def remove(self, key: Hashable) -> None:
+        self._slots.drop((key,))
+
+    def pop_victim(self) -> Hashable:
+        if not self._slots:
+            raise KeyError("no evictable key")
+        return self.pop_victims(1)[0]
+
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        log = self._keys
+        start = len(log)
+        log.extend(keys)
+        batch = log[start:]
+        stamp = object()
+        self._stamps.extend(repeat(stamp, len(batch)))
+        if self._slots.assign(batch, stamp):  # a repeated key: its last insert must win
+            del log[start:], self._stamps[start:]
+            for key in batch:
+                self.insert_many((key,))
+        self._compact()
+
+    def remove_many(self, keys: Iterable[Hashable]) -> None:
+        self._slots.drop(keys)
+
+    def pop_victims(self, n: int) -> list[Hashable]:
+        if n > len(self._slots):
+            raise KeyError(f"{n} victims wanted, {len(self._slots)} evictable")
+        victims: list[Hashable] = []
+        while len(victims) < n:  # each pass reads as many entries as victims are missing
+            start, self._head = self._head, self._head + n - len(victims)
+            victims += self._slots.live(self._keys[start : self._head], self._stamps[start : self._head])
+        self._slots.drop(victims)
+        self._compact()
+        return victims
+
+    def _compact(self) -> None:
+        """Drop dead entries: those before `_head` once they are half the log, and the stale
+        ones too once the log is over four times the evictable keys. Either pass is proportional to
+        the entries it drops, so amortized O(1) per operation; memory stays O(evictable keys)."""
+        if self._head > len(self._keys) // 2:
+            del self._keys[: self._head], self._stamps[: self._head]
+            self._head = 0
+        if len(self._keys) > 4 * len(self._slots) + 1024:
+            self._keys = self._slots.live(self._keys[self._head :], self._stamps[self._head :])
+            self._stamps = self._slots.stamps(self._keys)
+            self._head = 0
+
+    def order(self) -> list[Hashable]:
+        """The evictable keys, next victim first (for inspection and tests)."""
+        return self._slots.live(self._keys[self._head :], self._stamps[self._head :])
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
 
 
 class FIFOPolicy(_Batched):
@@ -226,9 +343,11 @@ class LFUPolicy(_Batched):
 POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy}
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    """Build the policy called `name` (lru, lfu or fifo)."""
+def make_policy(name: str, num_keys: int | None = None) -> EvictionPolicy:
+    """Build the policy called `name` (lru, lfu or fifo). `num_keys` says the keys are the ints
+    below it (a pool's block ids), which LRU keeps in a list."""
     try:
-        return POLICIES[name.lower()]()
+        policy = POLICIES[name.lower()]
     except KeyError:
         raise ConfigError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return LRUPolicy(num_keys) if policy is LRUPolicy else policy()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -130,8 +130,9 @@ class Scheduler:
         self.num_external_hit_tokens = 0
 
     # -- requests --------------------------------------------------------------------------
-    def new_sequence(self, prompt_token_ids: list[int]) -> Sequence:
-        return Sequence(next(self._seq_ids), list(prompt_token_ids), len(prompt_token_ids))
+    def new_sequence(self, prompt_token_ids: Iterable[int]) -> Sequence:
+        token_ids = list(prompt_token_ids)
+        return Sequence(next(self._seq_ids), token_ids, len(token_ids))
 
     def add_request(self, group: SequenceGroup) -> None:
         """Queue a group; rejects one that could never fit."""

@@ -22,10 +22,12 @@ event can be read, so it reports once. Results are identical to stepping one eve
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from kvpool.cluster.conductor import Conductor
@@ -140,6 +142,10 @@ class SimCluster:
         heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
 
     def run(self, requests: Sequence[SimRequest], on_arrival: Callable[[int], None] | None = None) -> ClusterResult:
+        with _gc_paused():
+            return self._run(requests, on_arrival)
+
+    def _run(self, requests: Sequence[SimRequest], on_arrival: Callable[[int], None] | None) -> ClusterResult:
         for r in requests:
             self._push(r.arrival_s, ARRIVE, r)
         self._arrivals_left = len(requests)
@@ -358,6 +364,20 @@ class SimCluster:
                 "mean_batch": c.batched_requests / max(c.steps, 1), "preemptions": inst.sched.num_preemptions,
             }
         return r
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Turn off the cyclic garbage collector for a run. The event loop makes millions of
+    long-lived objects (block hashes, token and block lists) and no reference cycles, so the
+    collector's passes over a growing heap (7% of a trace-length run) reclaim nothing."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def simulate_cluster(

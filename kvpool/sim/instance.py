@@ -94,7 +94,7 @@ class SimInstance:
         """Queue `req` (arriving at `now`). `extra_prompt_tokens` lengthens the prompt by
         tokens generated elsewhere (a decode instance receiving a prefilled request)."""
         prompt_len = req.prompt_len + extra_prompt_tokens
-        seq = self.sched.new_sequence([next(self._markers)] * prompt_len)
+        seq = self.sched.new_sequence(itertools.repeat(next(self._markers), prompt_len))
         width = max(req.n, req.beam_width)
         params = SamplingParams(
             n=width, max_tokens=max_tokens or req.output_len, ignore_eos=True,

@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import cache
 from pathlib import Path
+from types import ModuleType
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
-import numpy as np  # noqa: E402
+
+@cache
+def _pyplot() -> ModuleType:
+    """matplotlib.pyplot on the Agg backend, imported at the first figure: importing it takes
+    ~0.4 s, which every `kvpool` command would otherwise pay (most draw nothing)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _save(fig, path: str | Path, title: str | None) -> Path:
+    plt = _pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if title:
@@ -33,7 +44,7 @@ def plot_lines(
     logy: bool = False,
 ) -> Path:
     """One line per series over a shared x (e.g. normalized latency vs request rate)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     for label, ys in series.items():
         ax.plot(x, ys, marker="o", label=label)
     ax.set_xlabel(xlabel)
@@ -49,7 +60,7 @@ def plot_cdf(
     series: Mapping[str, Sequence[float]], path: str | Path, xlabel: str, title: str | None = None
 ) -> Path:
     """Empirical CDFs (e.g. TTFT per policy)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     for label, values in series.items():
         v = np.sort(np.asarray(values, dtype=float))
         ax.plot(v, np.arange(1, len(v) + 1) / max(len(v), 1), label=label)
@@ -68,7 +79,7 @@ def plot_stacked_bars(
     title: str | None = None,
 ) -> Path:
     """Stacked bars per category (e.g. KV slot breakdown: tokens/reserved/internal/external)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     bottom = np.zeros(len(categories))
     for label, values in stacks.items():
         vals = np.asarray(values, dtype=float)
@@ -88,7 +99,7 @@ def plot_grouped_bars(
     logy: bool = False,
 ) -> Path:
     """One group of bars per category, one bar per series (e.g. mean batch per system per load)."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = _pyplot().subplots(figsize=(7, 4))
     x = np.arange(len(categories))
     width = 0.8 / max(len(series), 1)
     for i, (label, values) in enumerate(series.items()):

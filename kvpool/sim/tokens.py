@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvpool.core.hashing import BlockHash, root_hash
+from kvpool.core.hashing import BlockHash, new_hash, root_hash
 from kvpool.errors import ConfigError
 
 Chunks = tuple[tuple[int, int], ...]
@@ -83,10 +83,11 @@ class BlockHasher:
     def _hash_chunk(self, parent: BlockHash, data: bytes) -> tuple[list[BlockHash], BlockHash, bytes]:
         bb = self._bytes_per_block
         full = len(data) // bb
-        blake2b = hashlib.blake2b
         hashes = []
         for i in range(0, full * bb, bb):
-            parent = blake2b(parent + data[i : i + bb], digest_size=16).digest()
+            h = new_hash()
+            h.update(parent + data[i : i + bb])
+            parent = h.digest()
             hashes.append(parent)
         return hashes, parent, data[full * bb :]
 

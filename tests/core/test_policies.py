@@ -1,5 +1,7 @@
 """Eviction order of each policy, checked against a brute-force reference."""
 
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,8 +53,8 @@ class Reference:
         return k
 
 
-def _check(name, ops):
-    pol, ref = make_policy(name), Reference(name)
+def _check(name, ops, num_keys=None):
+    pol, ref = make_policy(name, num_keys), Reference(name)
     for op, k in ops:
         if op == "insert":
             if name == "fifo" and k in ref.present:
@@ -72,9 +74,17 @@ def _check(name, ops):
 
 
 @settings(max_examples=300)
-@given(OPS)
-def test_lru_evicts_least_recently_used(ops):
-    _check("lru", ops)
+@given(OPS, st.sampled_from([None, 7]))
+def test_lru_evicts_least_recently_used(ops, num_keys):
+    _check("lru", ops, num_keys)  # num_keys: the block-id form a pool builds (a list, not a dict)
+
+
+def test_lru_stays_exact_over_a_long_run_that_compacts_its_log():
+    """Thousands of operations: the log of stale entries is compacted many times over."""
+    rng = random.Random(0)
+    ops = [(rng.choice(["insert", "insert", "touch", "remove", "pop"]), rng.randrange(40)) for _ in range(20000)]
+    for num_keys in (None, 40):
+        _check("lru", ops, num_keys)
 
 
 @settings(max_examples=300)
@@ -106,9 +116,9 @@ BATCHES = st.lists(
 
 
 @settings(max_examples=200)
-@given(st.sampled_from(["lru", "lfu", "fifo"]), BATCHES)
-def test_batch_operations_equal_their_single_operations_in_order(name, batches):
-    batched, single = make_policy(name), make_policy(name)
+@given(st.sampled_from(["lru", "lfu", "fifo"]), st.sampled_from([None, 10]), BATCHES)
+def test_batch_operations_equal_their_single_operations_in_order(name, num_keys, batches):
+    batched, single = make_policy(name, num_keys), make_policy(name)
     for op, keys in batches:
         if op == "insert":
             batched.insert_many(keys)

@@ -27,7 +27,7 @@ def _state(s: Scheduler) -> tuple:
     events = (list(pool.events.stored), list(pool.events.evicted), list(pool.events.evicted_block_ids))
     return (
         seqs, tables, list(pool.ref_counts), list(pool.block_tokens), list(pool.block_hashes),
-        pool.cached_items(), list(pool._free), list(pool._evictable._order), pool.tokens_in_use,
+        pool.cached_items(), list(pool._free), pool._evictable.order(), pool.tokens_in_use,
         pool.num_evictions, events, kv.stats, s.num_preemptions,
     )
 
