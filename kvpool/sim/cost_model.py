@@ -34,6 +34,7 @@ class StepBatch:
     blocks_from_host: int = 0  # prefix-cache loads from the store tiers
     blocks_from_disk: int = 0
     blocks_from_remote: int = 0
+    idle_s: float = 0.0  # how long the instance sat idle before this step (see WAKE_AFTER_S)
 
     def __post_init__(self) -> None:
         if len(self.new_tokens) != len(self.context_lens):
@@ -173,10 +174,15 @@ class RooflineCostModel:
 
 
 FEATURES = ("intercept", "num_seqs", "prefill_tokens", "prefill_chunks", "prefill_pairs", "decode_kv",
-            "dense_step", "q4_tokens")
+            "dense_step", "q4_tokens", "wake")
+# A step that starts after the engine sat idle this long pays a wake-up cost: on a shared CPU the
+# first step after a pause runs 15-40% slower (n=128 prefill: 198 ms back to back, 229 ms after
+# 0.5 s idle; n=32: 73 -> ~100 ms), most of a serving run's TTFT error if left out.
+WAKE_AFTER_S = 0.05
 
 
-def step_features(new_tokens: list[int], context_lens: list[int], dense_above: int = 0) -> list[float]:
+def step_features(new_tokens: list[int], context_lens: list[int], dense_above: int = 0,
+                  idle_s: float = 0.0) -> list[float]:
     """The regressors of a step, shaped like the engine's work: a fixed overhead (weights
     streamed once per step), per-sequence work (a decode row costs little more: it rides on
     the weights' stream), per prefill token (matmuls, compute-bound), one attention call per
@@ -184,7 +190,8 @@ def step_features(new_tokens: list[int], context_lens: list[int], dense_above: i
     every decoding row's KV padded to the longest decode context. An engine with 4-bit
     kernels (`dense_above` > 0) serves steps of at most that many tokens from a sixth of the
     weight bytes, at a compute cost per token the dense kernels do not have: whether the
-    step streams the dense weights, and the tokens of a 4-bit step."""
+    step streams the dense weights, and the tokens of a 4-bit step. Last, whether the engine
+    was idle for at least WAKE_AFTER_S before the step."""
     chunks = prefill = pairs = decodes = longest = 0
     for n, c in zip(new_tokens, context_lens, strict=True):
         if n == 1:
@@ -198,7 +205,7 @@ def step_features(new_tokens: list[int], context_lens: list[int], dense_above: i
     dense = bool(dense_above) and tokens > dense_above
     q4_tokens = float(tokens) if dense_above and not dense else 0.0
     return [1.0, float(len(new_tokens)), float(prefill), float(chunks), float(pairs), float(decodes * longest),
-            float(dense), q4_tokens]
+            float(dense), q4_tokens, float(idle_s >= WAKE_AFTER_S)]
 
 
 @dataclass(slots=True, frozen=True)
@@ -209,10 +216,10 @@ class FittedStepModel:
     rel_rmse: float = 0.0  # relative RMS error on the samples it was fitted to
     dense_above: int = 0  # the profiled engine's 4-bit kernel limit (0: none)
 
-    def predict(self, new_tokens: list[int], context_lens: list[int]) -> float:
+    def predict(self, new_tokens: list[int], context_lens: list[int], idle_s: float = 0.0) -> float:
         if not new_tokens:
             return 0.0
-        x = step_features(new_tokens, context_lens, self.dense_above)
+        x = step_features(new_tokens, context_lens, self.dense_above, idle_s)
         return float(sum(c * v for c, v in zip(self.coef, x, strict=True)))
 
     def to_dict(self) -> dict:
@@ -221,16 +228,30 @@ class FittedStepModel:
 
 
 def fit_step_model(samples: list[dict], dense_above: int = 0) -> FittedStepModel:
-    """Least squares over measured steps (profile schema in MeasuredCostModel), weighted by
-    1/seconds so short decode steps count as much as long prefills. Features whose
-    coefficient comes out negative are dropped and the rest refitted (a simple NNLS)."""
+    """Least squares over measured steps (profile schema in MeasuredCostModel) in relative
+    terms, so short decode steps count as much as long prefills. The weights are 1/predicted
+    seconds (refined twice from a first fit weighted by 1/measured): weighting by the noisy
+    measurement itself favours the steps that happened to run fast, and on a shared machine,
+    where noise only ever slows a step down, that fits the fast mode instead of the mean
+    (5-10% optimistic). Features whose coefficient comes out negative are dropped and the
+    rest refitted (a simple NNLS)."""
     if len(samples) < 2:
         raise ConfigError(f"need at least 2 profile samples to fit, got {len(samples)}")
-    x = np.array([step_features(s["new_tokens"], s["context_lens"], dense_above) for s in samples])
+    x = np.array([step_features(s["new_tokens"], s["context_lens"], dense_above, s.get("idle_s", 0.0))
+                  for s in samples])
     y = np.array([float(s["seconds"]) for s in samples])
     if (y <= 0).any():
         raise ConfigError("profile samples must have seconds > 0")
-    w = 1.0 / y
+    coef = _nnls(x, y, 1.0 / y)
+    for _ in range(2):
+        coef = _nnls(x, y, 1.0 / np.maximum(x @ coef, 0.01 * y))
+    rel = float(np.sqrt(np.mean(((x @ coef - y) / y) ** 2)))
+    logger.info("fitted step model coef=%s rel_rmse=%.3f on %d samples", coef, rel, len(samples))
+    return FittedStepModel(tuple(float(c) for c in coef), rel, dense_above)
+
+
+def _nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least squares, dropping the most negative coefficient until none is negative."""
     active = list(range(x.shape[1]))
     while True:
         sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
@@ -239,9 +260,7 @@ def fit_step_model(samples: list[dict], dense_above: int = 0) -> FittedStepModel
         active.pop(int(np.argmin(sol)))
     coef = np.zeros(x.shape[1])
     coef[active] = np.clip(sol, 0.0, None)
-    rel = float(np.sqrt(np.mean(((x @ coef - y) / y) ** 2)))
-    logger.info("fitted step model coef=%s rel_rmse=%.3f on %d samples", coef, rel, len(samples))
-    return FittedStepModel(tuple(float(c) for c in coef), rel, dense_above)
+    return coef
 
 
 @dataclass(slots=True)
@@ -252,12 +271,13 @@ class MeasuredCostModel:
 
         {"model": "smollm2-135m", "hardware": "cpu", "block_size": 16,
          "samples": [{"num_seqs": 2, "new_tokens": [1, 1], "context_lens": [40, 81],
-                      "seconds": 0.031}, ...],
+                      "seconds": 0.031, "idle_s": 0.0}, ...],
          "engine": {"q4_rows": 16, ...}}
 
     `model` and `hardware` name presets (used for KV bytes and link speeds); each sample is
     one measured step with the per-sequence new tokens and context lengths after the step;
-    `engine.q4_rows` (optional) is the engine's 4-bit kernel limit, which the step model needs.
+    `engine.q4_rows` (optional) is the engine's 4-bit kernel limit, which the step model needs;
+    `idle_s` (optional) the engine's idle time before the step.
     """
 
     fitted: FittedStepModel
@@ -294,7 +314,8 @@ class MeasuredCostModel:
         return out
 
     def step_time(self, batch: StepBatch) -> float:
-        return self.fitted.predict(batch.new_tokens, batch.context_lens) + self.transfers.movement_time(batch)
+        return (self.fitted.predict(batch.new_tokens, batch.context_lens, batch.idle_s)
+                + self.transfers.movement_time(batch))
 
     def kv_transfer_time(self, num_blocks: int) -> float:
         return self.transfers.transfer_time(num_blocks)

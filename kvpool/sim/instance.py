@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -74,6 +75,7 @@ class SimInstance:
         self.metrics: dict[str, RequestMetrics] = {}
         self.counters = InstanceCounters()
         self._markers = itertools.count(_MARKER_BASE)
+        self._last_end = -math.inf  # when the last step ended: a step after a pause pays a wake-up
 
     # -- requests ----------------------------------------------------------------------------
     def hashes_for(self, req: SimRequest) -> list[BlockHash]:
@@ -129,9 +131,10 @@ class SimInstance:
             blocks_copied=len(out.copies),
             blocks_swapped_in=len(out.swap_in),
             blocks_swapped_out=len(out.swap_out),
+            idle_s=now - self._last_end,
         )
         duration = self.cost_model.step_time(batch)
-        end = now + duration
+        end = self._last_end = now + duration
         sched.update(out)
         result = StepResult(duration, batch_size=len({id(s.group) for s in scheduled}))
         self._count(out, duration, result.batch_size)
@@ -143,7 +146,10 @@ class SimInstance:
         """Plain decode steps (`kvpool.sched.decode_batch`) from `now` while each starts before
         `until` (the first always runs): the very steps `step()` would take, with the same
         results, but without building a schedule per step. Yields each step's result; ends at the
-        first step that is not plain (or takes no time), which `step()` then takes."""
+        first step that is not plain (or takes no time, or follows a pause), which `step()` then
+        takes."""
+        if now > self._last_end:  # the instance was idle: the step's cost depends on the pause
+            return
         first = True
         while True:
             batch = decode_batch(self.sched)
@@ -174,6 +180,7 @@ class SimInstance:
 
     def _decode_step(self, batch: DecodeBatch, duration: float, end: float) -> StepResult:
         """`step()` for a plain decode batch of single-sample groups."""
+        self._last_end = end
         batch.step()
         seqs = batch.seqs
         result = StepResult(duration, batch_size=len(seqs))

@@ -72,7 +72,7 @@ def _synthetic_samples(law, n=60, seed=0):
 
 
 def test_fit_recovers_known_linear_law_within_one_percent(tmp_path):
-    law = [0.02, 0.001, 5e-5, 0.004, 2e-9, 1e-6, 0.0, 0.0]  # an engine without 4-bit kernels
+    law = [0.02, 0.001, 5e-5, 0.004, 2e-9, 1e-6, 0.0, 0.0, 0.0]  # no 4-bit kernels, samples never idle
     samples = _synthetic_samples(law)
     fitted = fit_step_model(samples)
     assert fitted.coef == pytest.approx(law, rel=0.01)
@@ -86,7 +86,7 @@ def test_fit_recovers_known_linear_law_within_one_percent(tmp_path):
 
 
 def test_fit_never_returns_negative_coefficients():
-    law = [0.01, 0.0, 1e-4, 0.0, 0.0, 0.0, 0.0, 0.0]
+    law = [0.01, 0.0, 1e-4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     samples = _synthetic_samples(law)
     rng = np.random.default_rng(3)
     for s in samples:

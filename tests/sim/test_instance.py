@@ -3,7 +3,13 @@
 import pytest
 
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.cost_model import StepBatch
+from kvpool.sim.cost_model import (
+    FEATURES,
+    FittedStepModel,
+    MeasuredCostModel,
+    StepBatch,
+    TransferCosts,
+)
 from kvpool.sim.instance import run_instance
 from kvpool.sim.workloads import SimRequest, WorkloadSpec, synthetic_workload
 
@@ -41,6 +47,21 @@ def test_idle_instance_jumps_to_the_next_arrival():
     cfg = SchedulerConfig(num_blocks=16, block_size=4, max_num_batched_tokens=64, max_model_len=64)
     run = run_instance([_req("r0", 5.0, 2, 1, 1)], cfg, TokenCost())
     assert run.metrics[0].token_times == pytest.approx([5.003])
+
+
+def test_a_step_after_a_pause_pays_the_measured_wake_up():
+    """A measured CPU engine's first step after idling is slower; the simulator charges it to a
+    request arriving at an idle instance, and not to the steps that follow back to back."""
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("intercept")], coef[FEATURES.index("wake")] = 0.01, 0.1
+    cost = MeasuredCostModel(FittedStepModel(tuple(coef)), TransferCosts(1, 1, 0, 1, 0, 1, 0, 0))
+    cfg = SchedulerConfig(num_blocks=16, block_size=4, max_num_batched_tokens=64, max_model_len=64)
+    # r1 arrives while r0 decodes (no pause); r2 long after both are done
+    run = run_instance([_req("r0", 0.0, 2, 3, 1), _req("r1", 0.115, 2, 2, 2), _req("r2", 5.0, 2, 2, 3)], cfg, cost)
+    by_id = {m.request_id: m for m in run.metrics}
+    assert by_id["r0"].token_times == pytest.approx([0.11, 0.12, 0.13])
+    assert by_id["r1"].token_times == pytest.approx([0.13, 0.14])  # joined at the 0.12 step boundary
+    assert by_id["r2"].token_times == pytest.approx([5.11, 5.12])
 
 
 def test_shared_prefix_is_served_from_the_prefix_cache():

@@ -13,12 +13,12 @@ from kvpool.sim.instance import simulate_offline
 from kvpool.sim.presets import get_hardware, get_model
 from kvpool.sim.validate import sim_requests
 
-LAW = (0.02, 0.001, 0.0005, 0.004, 2e-8, 1e-6, 0.01, 0.002)  # seconds per FEATURES unit
+LAW = (0.02, 0.001, 0.0005, 0.004, 2e-8, 1e-6, 0.01, 0.002, 0.03)  # seconds per FEATURES unit
 DENSE_ABOVE = 16  # steps of more tokens pay the dense-weights term
 
 
-def _law_seconds(new_tokens, context_lens) -> float:
-    return float(np.dot(LAW, step_features(new_tokens, context_lens, DENSE_ABOVE)))
+def _law_seconds(new_tokens, context_lens, idle_s=0.0) -> float:
+    return float(np.dot(LAW, step_features(new_tokens, context_lens, DENSE_ABOVE, idle_s)))
 
 
 def test_simulator_reproduces_a_known_linear_step_law():
@@ -31,7 +31,9 @@ def test_simulator_reproduces_a_known_linear_step_law():
         chunks = int(rng.integers(0, 3))  # decode-only steps and steps with 1-2 prefill chunks
         new = [int(rng.integers(2, 300)) for _ in range(chunks)] + [1] * (b - chunks)
         ctx = [n + int(rng.integers(0, 800)) for n in new]
-        samples.append({"num_seqs": b, "new_tokens": new, "context_lens": ctx, "seconds": _law_seconds(new, ctx)})
+        idle = float(rng.choice([0.0, 0.001, 0.3]))
+        samples.append({"num_seqs": b, "new_tokens": new, "context_lens": ctx, "idle_s": idle,
+                        "seconds": _law_seconds(new, ctx, idle)})
     dense = FEATURES.index("dense_step")
     assert 5 < sum(step_features(s["new_tokens"], s["context_lens"], DENSE_ABOVE)[dense] for s in samples) < 35
     cost = MeasuredCostModel.from_samples(samples, get_model("smollm2-135m"), get_hardware("cpu"), 16,
@@ -44,14 +46,15 @@ def test_simulator_reproduces_a_known_linear_step_law():
 
     class Recording:
         def step_time(self, batch):
-            shapes.append((list(batch.new_tokens), list(batch.context_lens)))
+            shapes.append((list(batch.new_tokens), list(batch.context_lens), batch.idle_s))
             return cost.step_time(batch)
 
         def kv_transfer_time(self, n):
             return cost.kv_transfer_time(n)
 
     run = simulate_offline(sim_requests(prompts, 8, [0.0] * 4), cfg, Recording())
-    assert math.isclose(run.end_s, sum(_law_seconds(n, c) for n, c in shapes), rel_tol=1e-6)
+    assert math.isclose(run.end_s, sum(_law_seconds(n, c, i) for n, c, i in shapes), rel_tol=1e-6)
+    assert [i > 0 for _, _, i in shapes] == [True] + [False] * (len(shapes) - 1)  # only the first step wakes
     assert all(m.output_len == 8 for m in run.metrics)
 
 
