@@ -96,6 +96,19 @@ def test_fit_never_returns_negative_coefficients():
     assert fitted.rel_rmse < 0.1
 
 
+def test_fit_predicts_the_mean_step_under_slowdown_noise():
+    """On a shared machine noise only slows steps down (a neighbour takes the core, a stall).
+    The fit must predict the mean step time the simulator adds up, not the fast mode."""
+    law = [0.02, 0.001, 5e-5, 0.004, 2e-9, 1e-6, 0.0, 0.0, 0.0]
+    samples = _synthetic_samples(law, n=400, seed=4)
+    rng = np.random.default_rng(5)
+    for s in samples:
+        s["seconds"] *= 1 + rng.exponential(0.15)  # mean slowdown 15%, heavy right tail
+    fitted = fit_step_model(samples)
+    predicted = sum(fitted.predict(s["new_tokens"], s["context_lens"]) for s in samples)
+    assert predicted / sum(s["seconds"] for s in samples) == pytest.approx(1.0, abs=0.01)  # 1/measured weights: 0.97-0.98
+
+
 def test_profile_missing_keys_is_a_config_error(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"model": "smollm2-135m", "samples": []}))

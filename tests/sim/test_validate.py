@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.cost_model import FEATURES, MeasuredCostModel, step_features
+from kvpool.sim.cost_model import FEATURES, WAKE_AFTER_S, MeasuredCostModel, step_features
 from kvpool.sim.instance import simulate_offline
 from kvpool.sim.presets import get_hardware, get_model
 from kvpool.sim.validate import sim_requests
@@ -78,6 +78,8 @@ def test_bench_profile_writes_a_profile_the_cost_model_reads(engine, tmp_path):
     assert all(len(s["new_tokens"]) == len(s["context_lens"]) == s["num_seqs"] and s["seconds"] > 0 for s in samples)
     assert any(s["num_seqs"] >= 4 and set(s["new_tokens"]) == {1} for s in samples)  # a decode batch
     assert any(s["num_seqs"] == 1 and s["context_lens"][0] > s["new_tokens"][0] > 1 for s in samples)  # cached prefix
+    assert any(s["idle_s"] >= WAKE_AFTER_S for s in samples)  # prefills after a pause
+    assert sum(s["idle_s"] >= WAKE_AFTER_S for s in samples) <= 3  # ... and only those (warm-up aside)
     assert cost.fitted.rel_rmse >= 0
 
 
