@@ -127,10 +127,13 @@ def scale_run(max_requests: int | None = None) -> dict:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    # The process ends after this run: once the run is over, the cyclic collector would walk
-    # its millions of objects (there are no cycles, see SimCluster.run) for about a second.
+    # Off until the run's objects are gone: right after the run, summarising it would set off a
+    # full collection over its millions of objects (there are no cycles, see SimCluster.run).
     gc.disable()
-    out = scale_run(args.max_requests)
+    try:
+        out = scale_run(args.max_requests)
+    finally:
+        gc.enable()
     write_json(args.out / "scale.json", out)
     print(format_table([out]))
     return 0

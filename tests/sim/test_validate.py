@@ -21,19 +21,26 @@ def _law_seconds(new_tokens, context_lens, idle_s=0.0) -> float:
     return float(np.dot(LAW, step_features(new_tokens, context_lens, DENSE_ABOVE, idle_s)))
 
 
+def _law_profile(n: int = 40, seed: int = 0) -> dict:
+    """A profile document whose steps follow LAW exactly (no engine needed to make it)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(n):
+        b = int(rng.integers(1, 33))
+        chunks = int(rng.integers(0, min(b, 2) + 1))
+        new = [int(rng.integers(2, 300)) for _ in range(chunks)] + [1] * (b - chunks)
+        ctx = [x + int(rng.integers(0, 800)) for x in new]
+        idle = float(rng.choice([0.0, 0.3]))
+        samples.append({"num_seqs": b, "new_tokens": new, "context_lens": ctx, "idle_s": idle,
+                        "seconds": _law_seconds(new, ctx, idle)})
+    return {"model": "smollm2-135m", "hardware": "cpu", "block_size": 16, "engine": {"q4_rows": DENSE_ABOVE},
+            "samples": samples}
+
+
 def test_simulator_reproduces_a_known_linear_step_law():
     """A profile drawn from a known law: the fit recovers it, and the simulated makespan is the
     law summed over the steps the real scheduler produces."""
-    rng = np.random.default_rng(0)
-    samples = []
-    for _ in range(40):
-        b = int(rng.integers(2, 33))
-        chunks = int(rng.integers(0, 3))  # decode-only steps and steps with 1-2 prefill chunks
-        new = [int(rng.integers(2, 300)) for _ in range(chunks)] + [1] * (b - chunks)
-        ctx = [n + int(rng.integers(0, 800)) for n in new]
-        idle = float(rng.choice([0.0, 0.001, 0.3]))
-        samples.append({"num_seqs": b, "new_tokens": new, "context_lens": ctx, "idle_s": idle,
-                        "seconds": _law_seconds(new, ctx, idle)})
+    samples = _law_profile()["samples"]  # decode-only steps and steps with 1-2 prefill chunks
     dense = FEATURES.index("dense_step")
     assert 5 < sum(step_features(s["new_tokens"], s["context_lens"], DENSE_ABOVE)[dense] for s in samples) < 35
     cost = MeasuredCostModel.from_samples(samples, get_model("smollm2-135m"), get_hardware("cpu"), 16,
@@ -56,6 +63,33 @@ def test_simulator_reproduces_a_known_linear_step_law():
     assert math.isclose(run.end_s, sum(_law_seconds(n, c, i) for n, c, i in shapes), rel_tol=1e-6)
     assert [i > 0 for _, _, i in shapes] == [True] + [False] * (len(shapes) - 1)  # only the first step wakes
     assert all(m.output_len == 8 for m in run.metrics)
+
+
+def test_validate_command_reports_engine_against_simulator(tmp_path, capsys):
+    """The command end to end at a tiny size with a given profile: one engine run of each kind,
+    a row per metric in the table and in validate.json."""
+    from kvpool.cli import main
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(_law_profile()))
+    out = tmp_path / "out"
+    assert main(["sim", "validate", "--profile", str(profile), "--num-requests", "3", "--output-len", "3",
+                 "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "validate.json").read_text())
+    assert [r["metric"] for r in res["rows"]] == ["offline output tokens/s", "poisson mean TTFT (s)",
+                                                   "poisson mean TPOT (s)"]
+    for r in res["rows"]:
+        assert r["engine"] > 0 and r["sim"] > 0 and r["engine_min"] == r["engine"] == r["engine_max"]
+        assert r["rel_error"] == pytest.approx((r["sim"] - r["engine"]) / r["engine"], rel=1e-4)  # JSON rounds
+    assert res["profile_samples"] == 40 and res["fit_rel_rmse"] < 1e-6
+    assert "rel_error" in capsys.readouterr().out
+
+
+def test_validate_rejects_zero_repeats_with_a_message(capsys):
+    from kvpool.cli import main
+
+    assert main(["sim", "validate", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
