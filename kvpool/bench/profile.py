@@ -3,8 +3,9 @@ profile `MeasuredCostModel.from_profile` fits (see kvpool/sim/cost_model.py for 
 
 Workloads are shaped so the scheduler produces the steps we want to cover — prefill chunks
 with and without a cached prefix, decode batches of 1..64 distinct sequences at several context
-lengths (those that fit in the KV cache), mixed decode + prefill steps, a staggered serving run and prefills after a pause — and every `engine.step()` is timed whole (scheduling, block
-moves, forward, sampling), together with the shape the scheduler gave it.
+lengths (those that fit in the KV cache), mixed decode + prefill steps, a staggered serving run
+and prefills after a pause — and every `engine.step()` is timed whole (scheduling, block moves,
+forward, sampling), together with the shape the scheduler gave it and the idle time before it.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def _serving(rec: StepRecorder, prompts: _Prompts, requests: int, every: int = 4
     rec.drain()
 
 
-PAUSE_S = 0.3  # idle time before a wake-up sample: longer than the serving runs' typical gaps
+PAUSE_S = 0.3  # idle time before a wake-up sample (well over cost_model.WAKE_AFTER_S)
 
 
 def _after_pause(rec: StepRecorder, prompts: _Prompts, chunks: tuple[int, ...], count: int) -> None:
