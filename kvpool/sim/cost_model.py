@@ -174,11 +174,15 @@ class RooflineCostModel:
 
 
 FEATURES = ("intercept", "num_seqs", "prefill_tokens", "prefill_chunks", "prefill_pairs", "decode_kv",
-            "dense_step", "q4_tokens", "wake")
-# A step that starts after the engine sat idle this long pays a wake-up cost: on a shared CPU the
-# first step after a pause runs 15-40% slower (n=128 prefill: 198 ms back to back, 229 ms after
-# 0.5 s idle; n=32: 73 -> ~100 ms), most of a serving run's TTFT error if left out.
+            "dense_step", "q4_tokens", "small_matmul_tokens", "wake")
+# A step that starts after the engine sat idle this long pays a wake-up cost: on this shared CPU
+# the first step after a pause ran 15-40% slower in some runs (n=128 prefill: 198 ms back to
+# back, 229 ms after 0.5 s idle; n=32: 73 -> ~100 ms) and not at all in others.
 WAKE_AFTER_S = 0.05
+# Matmuls over few rows run at a lower rate per row than big ones: the first this many tokens of
+# a step on the dense weights cost extra (measured ~1.3 ms per token at 32-128 tokens against
+# ~1.07 at 2048). Without the term a serving run's prefills came out 3-8% short.
+SMALL_MATMUL_TOKENS = 256
 
 
 def step_features(new_tokens: list[int], context_lens: list[int], dense_above: int = 0,
@@ -190,8 +194,9 @@ def step_features(new_tokens: list[int], context_lens: list[int], dense_above: i
     every decoding row's KV padded to the longest decode context. An engine with 4-bit
     kernels (`dense_above` > 0) serves steps of at most that many tokens from a sixth of the
     weight bytes, at a compute cost per token the dense kernels do not have: whether the
-    step streams the dense weights, and the tokens of a 4-bit step. Last, whether the engine
-    was idle for at least WAKE_AFTER_S before the step."""
+    step streams the dense weights, and the tokens of a 4-bit step. Then the tokens of a dense
+    step up to SMALL_MATMUL_TOKENS, and whether the engine was idle for at least WAKE_AFTER_S
+    before the step."""
     chunks = prefill = pairs = decodes = longest = 0
     for n, c in zip(new_tokens, context_lens, strict=True):
         if n == 1:
@@ -204,8 +209,9 @@ def step_features(new_tokens: list[int], context_lens: list[int], dense_above: i
     tokens = decodes + prefill
     dense = bool(dense_above) and tokens > dense_above
     q4_tokens = float(tokens) if dense_above and not dense else 0.0
+    small = 0.0 if q4_tokens else float(min(tokens, SMALL_MATMUL_TOKENS))
     return [1.0, float(len(new_tokens)), float(prefill), float(chunks), float(pairs), float(decodes * longest),
-            float(dense), q4_tokens, float(idle_s >= WAKE_AFTER_S)]
+            float(dense), q4_tokens, small, float(idle_s >= WAKE_AFTER_S)]
 
 
 @dataclass(slots=True, frozen=True)

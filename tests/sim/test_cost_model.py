@@ -72,7 +72,7 @@ def _synthetic_samples(law, n=60, seed=0):
 
 
 def test_fit_recovers_known_linear_law_within_one_percent(tmp_path):
-    law = [0.02, 0.001, 5e-5, 0.004, 2e-9, 1e-6, 0.0, 0.0, 0.0]  # no 4-bit kernels, samples never idle
+    law = [0.02, 0.001, 5e-5, 0.004, 2e-9, 1e-6, 0.0, 0.0, 0.0, 0.0]  # no 4-bit kernels, samples never idle
     samples = _synthetic_samples(law)
     fitted = fit_step_model(samples)
     assert fitted.coef == pytest.approx(law, rel=0.01)
@@ -86,7 +86,7 @@ def test_fit_recovers_known_linear_law_within_one_percent(tmp_path):
 
 
 def test_fit_never_returns_negative_coefficients():
-    law = [0.01, 0.0, 1e-4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    law = [0.01, 0.0, 1e-4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     samples = _synthetic_samples(law)
     rng = np.random.default_rng(3)
     for s in samples:
@@ -99,7 +99,7 @@ def test_fit_never_returns_negative_coefficients():
 def test_fit_predicts_the_mean_step_under_slowdown_noise():
     """On a shared machine noise only slows steps down (a neighbour takes the core, a stall).
     The fit must predict the mean step time the simulator adds up, not the fast mode."""
-    law = [0.02, 0.001, 5e-5, 0.004, 2e-9, 1e-6, 0.0, 0.0, 0.0]
+    law = [0.02, 0.001, 5e-5, 0.004, 2e-9, 1e-6, 0.0, 0.0, 0.0, 0.0]
     samples = _synthetic_samples(law, n=400, seed=4)
     rng = np.random.default_rng(5)
     for s in samples:

@@ -13,7 +13,7 @@ from kvpool.sim.instance import simulate_offline
 from kvpool.sim.presets import get_hardware, get_model
 from kvpool.sim.validate import sim_requests
 
-LAW = (0.02, 0.001, 0.0005, 0.004, 2e-8, 1e-6, 0.01, 0.002, 0.03)  # seconds per FEATURES unit
+LAW = (0.02, 0.001, 0.0005, 0.004, 2e-8, 1e-6, 0.01, 0.002, 1e-4, 0.03)  # seconds per FEATURES unit
 DENSE_ABOVE = 16  # steps of more tokens pay the dense-weights term
 
 

@@ -45,7 +45,7 @@ DOC_POLICIES = ("random", "least-load", "cache-aware", "kv-centric")
 # One engine step of SmolLM2-135M (float32, 1 thread) on the 2-core development machine, fitted by
 # `kvpool bench profile --quick --threads 1` (coefficients in cost_model.FEATURES order, seconds).
 # About 1.2 s for a 420-token prompt, 65 ms for a small decode step.
-CPU_STEP = FittedStepModel((0.0615, 9.9e-4, 2.37e-3, 0.0, 1.85e-6, 1.40e-5, 0.0, 0.0, 0.0))
+CPU_STEP = FittedStepModel((0.0615, 9.9e-4, 2.37e-3, 0.0, 1.85e-6, 1.40e-5, 0.0, 0.0, 0.0, 0.0))
 
 
 @dataclass(frozen=True, slots=True)
