@@ -46,7 +46,7 @@ class ValidateSpec:
     output_len: int = 32
     rate: float | None = None  # req/s of the Poisson run; None = SERVING_LOAD x the offline rate
     seed: int = 0
-    repeats: int = 3  # engine runs per metric, each after its own quick profile when none is given
+    repeats: int = 5  # engine runs per metric, each after its own quick profile when none is given
 
 
 def sim_requests(prompts: list[list[int]], output_len: int, arrivals: list[float]) -> list[SimRequest]:
@@ -144,7 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rate", type=float, default=None, help=f"Poisson req/s (default: {SERVING_LOAD} x the offline rate)")
-    p.add_argument("--repeats", type=int, default=3, help="engine runs averaged per metric")
+    p.add_argument("--repeats", type=int, default=5, help="engine runs averaged per metric")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("sim-out"))
 
