@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from pathlib import Path
 
@@ -11,7 +10,7 @@ from tqdm import tqdm
 
 from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.cluster import SimCluster
+from kvpool.sim.cluster import SimCluster, gc_paused
 from kvpool.sim.experiments import EXPERIMENTS, get_experiment
 from kvpool.sim.experiments.base import roofline
 from kvpool.sim.instance import run_instance
@@ -127,13 +126,10 @@ def scale_run(max_requests: int | None = None) -> dict:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    # Off until the run's objects are gone: right after the run, summarising it would set off a
-    # full collection over its millions of objects (there are no cycles, see SimCluster.run).
-    gc.disable()
-    try:
+    # Paused until the run's objects are gone: right after the run, summarising it would set off
+    # a full collection over its millions of objects.
+    with gc_paused():
         out = scale_run(args.max_requests)
-    finally:
-        gc.enable()
     write_json(args.out / "scale.json", out)
     print(format_table([out]))
     return 0

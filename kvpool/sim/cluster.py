@@ -142,7 +142,7 @@ class SimCluster:
         heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
 
     def run(self, requests: Sequence[SimRequest], on_arrival: Callable[[int], None] | None = None) -> ClusterResult:
-        with _gc_paused():
+        with gc_paused():
             return self._run(requests, on_arrival)
 
     def _run(self, requests: Sequence[SimRequest], on_arrival: Callable[[int], None] | None) -> ClusterResult:
@@ -367,10 +367,11 @@ class SimCluster:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Turn off the cyclic garbage collector for a run. The event loop makes millions of
-    long-lived objects (block hashes, token and block lists) and no reference cycles, so the
-    collector's passes over a growing heap (7% of a trace-length run) reclaim nothing."""
+def gc_paused() -> Iterator[None]:
+    """Turn off the cyclic garbage collector for a run (restored after, nesting allowed). The
+    event loop makes millions of long-lived objects (block hashes, token and block lists) and
+    no reference cycles, so the collector's passes over a growing heap (7% of a trace-length
+    run) reclaim nothing."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -138,14 +138,17 @@ def validate(spec: ValidateSpec, engine: Engine, profile: dict | None = None) ->
             "profile_samples": len(samples)}
 
 
+_DEFAULTS = ValidateSpec()
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, default=None,
                    help="a `kvpool bench profile` JSON (default: a quick profile before each repeat)")
-    p.add_argument("--num-requests", type=int, default=48)
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--num-requests", type=int, default=_DEFAULTS.num_requests)
+    p.add_argument("--output-len", type=int, default=_DEFAULTS.output_len)
     p.add_argument("--rate", type=float, default=None, help=f"Poisson req/s (default: {SERVING_LOAD} x the offline rate)")
-    p.add_argument("--repeats", type=int, default=5, help="engine runs averaged per metric")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=_DEFAULTS.repeats, help="engine runs averaged per metric")
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     p.add_argument("--out", type=Path, default=Path("sim-out"))
 
 

@@ -80,7 +80,8 @@ def test_validate_command_reports_engine_against_simulator(tmp_path, capsys):
                                                    "poisson mean TPOT (s)"]
     for r in res["rows"]:
         assert r["engine"] > 0 and r["sim"] > 0 and r["engine_min"] == r["engine"] == r["engine_max"]
-        assert r["rel_error"] == pytest.approx((r["sim"] - r["engine"]) / r["engine"], rel=1e-4)  # JSON rounds
+        # the JSON rounds every value to 6 decimals: allow for it when sim and engine are close
+        assert r["rel_error"] == pytest.approx((r["sim"] - r["engine"]) / r["engine"], rel=1e-4, abs=1e-4)
     assert res["profile_samples"] == 40 and res["fit_rel_rmse"] < 1e-6
     assert "rel_error" in capsys.readouterr().out
 
