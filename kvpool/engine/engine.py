@@ -290,6 +290,7 @@ class Engine:
                 req.metrics.finish(now)
                 del self._requests[rid]
             results.append(self._output(g, req, done, error))
+        self._failed.clear()
         return results
 
     def _fail_step(self, out: SchedulerOutput, reason: str) -> list[RequestOutput]:
