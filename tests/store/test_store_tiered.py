@@ -6,9 +6,10 @@ from store_helpers import DTYPE, NAMESPACE, SHAPE, make_block
 
 from kvpool.core.hashing import hash_blocks
 from kvpool.errors import ConfigError
+from kvpool.store.codec import CODECS
 from kvpool.store.disk import SUBDIR, DiskTier, file_name
 from kvpool.store.factory import make_store
-from kvpool.store.format import encode_block
+from kvpool.store.format import block_codec_id, encode_block
 from kvpool.store.host import HostTier
 from kvpool.store.kv_store import TieredKVStore
 
@@ -169,3 +170,50 @@ def test_make_store_builds_the_configured_tiers(tmp_path):
     assert make_store(0, None, 0, None, "write-through", NAMESPACE, SHAPE, DTYPE) is None
     with pytest.raises(ConfigError, match="ftp://x"):
         make_store(0, None, 0, "ftp://x", "write-through", NAMESPACE, SHAPE, DTYPE)
+
+
+def smooth_block(seed: int) -> np.ndarray:
+    return np.round(make_block(seed).astype(np.float32), 1).astype(DTYPE)
+
+
+def test_a_reader_decodes_the_codec_each_block_was_written_with(tmp_path):
+    writer = TieredKVStore([DiskTier(tmp_path, 10**6)], NAMESPACE, SHAPE, DTYPE, codecs={"disk": "zstd-shuffle"})
+    writer.save(HASHES[0], smooth_block(0))
+    path = tmp_path / SUBDIR / file_name(writer.key(HASHES[0]))
+    assert block_codec_id(path.read_bytes()) == CODECS["zstd-shuffle"].id
+    reader = TieredKVStore([DiskTier(tmp_path, 10**6)], NAMESPACE, SHAPE, DTYPE)  # configured: none
+    (out,) = reader.load(HASHES[:1])
+    assert np.array_equal(out.view(np.uint16), smooth_block(0).view(np.uint16))
+
+
+def test_blocks_are_repacked_for_each_tiers_codec_when_they_move(tmp_path):
+    host = HostTier(2 * BLOCK_BYTES)
+    disk = DiskTier(tmp_path, 100 * BLOCK_BYTES)
+    store = TieredKVStore([host, disk], NAMESPACE, SHAPE, DTYPE, "write-back", codecs={"disk": "zstd"})
+    for i in range(3):
+        store.save(HASHES[i], smooth_block(i))
+    key = store.key(HASHES[0])  # demoted from host (raw) to disk (zstd)
+    assert block_codec_id(disk.get(key)) == CODECS["zstd"].id
+    (out,) = store.load(HASHES[:1])  # promoted from disk back to host, raw again
+    assert np.array_equal(out.view(np.uint16), smooth_block(0).view(np.uint16))
+    assert block_codec_id(host.get(key)) == CODECS["none"].id
+
+
+def test_codec_config_is_checked_by_name(tmp_path):
+    with pytest.raises(ConfigError, match="'brotli'"):
+        make_store(0, str(tmp_path), "1MiB", None, "write-through", NAMESPACE, SHAPE, DTYPE, disk_codec="brotli")
+    with pytest.raises(ConfigError, match="'tape'"):
+        TieredKVStore([HostTier(10)], NAMESPACE, SHAPE, DTYPE, codecs={"tape": "zstd"})
+
+
+def test_a_tier_that_raises_is_a_miss_and_an_error_not_an_exception(tmp_path):
+    class Broken(HostTier):
+        def get(self, key):
+            raise RuntimeError("native client fell over")
+
+    broken = Broken(10 * BLOCK_BYTES, name="broken")
+    store = TieredKVStore([broken, DiskTier(tmp_path, 10 * BLOCK_BYTES)], NAMESPACE, SHAPE, DTYPE)
+    store.save(HASHES[0], make_block(0))
+    (out,) = store.load(HASHES[:1])  # served by the disk tier below
+    assert np.array_equal(out, make_block(0))
+    assert store.stats()["broken"].errors == 1
