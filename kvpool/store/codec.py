@@ -1,6 +1,6 @@
 """Payload codecs of a stored KV block: how its raw tensor bytes are packed for a tier.
 
-Measured on real KV blocks of the bundled model (`kvpool bench kvstore-codec`): KV floats
+Measured on real KV blocks of the bundled model (`kvpool bench kvstore --codecs ...`): KV floats
 have little byte-level redundancy except in the sign/exponent bytes, so lz4 finds nothing
 (ratio <= 1.0) and zstd at level 1 gains ~1.07x (float32) to ~1.26x (bfloat16); grouping
 byte planes first (`zstd-shuffle`: byte k of every element together, then zstd) adds ~8%

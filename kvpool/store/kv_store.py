@@ -209,6 +209,9 @@ class TieredKVStore:
         that does not decode is not worth moving)."""
 
         def demote(key: StoreKey, data: bytes) -> None:
+            if block_codec_id(data) == get_codec(self.codecs[lower.name]).id:  # no re-packing: as it is
+                self._guard(lower, "put", lower.put, key, data)
+                return
             try:
                 block_hash = bytes.fromhex(key[len(self._prefix):])
                 block = decode_block(data, self.namespace, self.block_shape, self.dtype, block_hash)
