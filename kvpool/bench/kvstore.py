@@ -5,6 +5,9 @@ interleaved so the device prefix cache evicts a session before its next turn. Th
 workload runs with the store off (device-only prefix caching), host DRAM only, host + disk,
 and a remote pool (a local redis-server), and the bench reports prefill tokens computed and
 mean / p99 TTFT for each, with ratios against device-only.
+
+`--codecs none,zstd,zstd-shuffle` measures the block codecs instead (kvstore_codec.py): bytes per
+block and save / load (read + decode) time per tier on real KV blocks of the model.
 """
 
 from __future__ import annotations
@@ -76,12 +79,22 @@ def add_arguments(p) -> None:
     p.add_argument("--configs", default="off,host,host+disk,remote",
                    help="comma list of off | host | host+disk | disk | remote")
     p.add_argument("--json", default=None)
+    p.add_argument("--codecs", default=None,
+                   help="comma list of block codecs (none, zstd, zstd-shuffle): measure bytes per block and "
+                   "load time per tier on real KV blocks instead of running the session workload")
+    p.add_argument("--codec-tiers", default="disk,remote", help="tiers for --codecs: disk | remote")
+    p.add_argument("--codec-tokens", type=int, default=2048, help="prompt tokens whose KV blocks --codecs stores")
     add_engine_args(p)
     p.set_defaults(num_blocks=64)
 
 
 def main(args) -> int:
     base = engine_config_from_args(args)
+    if args.codecs:
+        from kvpool.bench.kvstore_codec import run_codec_bench
+
+        return run_codec_bench(base, args.codecs.split(","), args.codec_tiers.split(","), args.codec_tokens,
+                               args.json)
     loaded = load_model(base.model)
     results = []
     with tempfile.TemporaryDirectory(prefix="kvpool-disk-") as disk_dir:

@@ -41,6 +41,8 @@ class EngineConfig:
     kv_disk_size: str = "10GiB"
     kv_remote: str | None = None  # redis://host:port or mooncake://host:port
     kv_write_policy: str = "write-through"
+    kv_disk_codec: str = "none"  # none | zstd | zstd-shuffle (kvpool/store/codec.py)
+    kv_remote_codec: str = "none"
     publish_kv_events: bool = False  # keep stored/evicted hashes for drain_kv_events()
 
     def __post_init__(self) -> None:
@@ -71,6 +73,8 @@ _HELP = {
     "kv_disk_size": "tiered KV store: disk tier budget",
     "kv_remote": "tiered KV store: shared pool URL, redis://host:port or mooncake://host:port",
     "kv_write_policy": "write-through (save every computed block) | write-back (save on device eviction)",
+    "kv_disk_codec": "disk tier block codec: none | zstd | zstd-shuffle (lossless; see docs/store.md)",
+    "kv_remote_codec": "remote tier block codec: none | zstd | zstd-shuffle (lossless; see docs/store.md)",
 }
 
 

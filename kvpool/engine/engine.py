@@ -124,6 +124,7 @@ class Engine:
             c.kv_remote, c.kv_write_policy,
             block_namespace(self.loaded.name, c.dtype, c.block_size, m.num_layers, m.num_kv_heads, m.head_dim),
             block_shape(m.num_layers, c.block_size, m.num_kv_heads, m.head_dim), np_dtype, c.eviction_policy,
+            disk_codec=c.kv_disk_codec, remote_codec=c.kv_remote_codec,
         )
 
     def drain_kv_events(self) -> KVEvents:

@@ -4,7 +4,9 @@ The scheduler decides (at admission it asks `lookup` how many blocks beyond the 
 prefix hit the store holds, and plans `KVLoad`s); this connector moves the bytes. Loads run
 on store workers while the current step computes and land after it; the group computes
 from the next step on. A block that fails to load is computed instead, so outputs never
-depend on the store. Saves gather the blocks' K/V on the engine
+depend on the store; a load still running after `load_timeout_s` is given up the same way, so
+no tier, however stuck, holds the engine thread longer than that. Saves gather the blocks'
+K/V on the engine
 thread (their slots may be reused by the next step) and encode/write on store workers.
 Write-through saves every block once its KV is computed; write-back saves a block only
 when the device evicts it.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import torch
@@ -29,8 +32,10 @@ logger = logging.getLogger(__name__)
 
 
 class KVStoreConnector:
-    def __init__(self, store: TieredKVStore, runner: ModelRunner, scheduler: Scheduler, write_policy: str) -> None:
+    def __init__(self, store: TieredKVStore, runner: ModelRunner, scheduler: Scheduler, write_policy: str,
+                 load_timeout_s: float = 10.0) -> None:
         self.store = store
+        self.load_timeout_s = load_timeout_s
         self.runner = runner
         self.scheduler = scheduler
         self.write_back = write_policy == "write-back"
@@ -39,6 +44,7 @@ class KVStoreConnector:
         self._pending_stored: list[BlockHash] = []
         self.loaded_blocks = 0
         self.failed_loads = 0
+        self.timed_out_loads = 0
         self.saved_blocks = 0
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
@@ -58,7 +64,13 @@ class KVStoreConnector:
         block that did not load is computed instead, so outputs never depend on the store."""
         inflight, self._inflight = self._inflight, []
         for load, future in inflight:
-            blocks = future.result()
+            try:
+                blocks = future.result(timeout=self.load_timeout_s)
+            except FutureTimeout:
+                logger.warning("KV store load of %d blocks for sequence %d still running after %.1fs; "
+                               "computing them instead", len(load.hashes), load.seq.seq_id, self.load_timeout_s)
+                self.timed_out_loads += 1
+                blocks = []
             if not self.scheduler.kv_load_valid(load):
                 continue  # aborted or preempted meanwhile: its blocks are no longer its own
             if blocks:
@@ -92,7 +104,7 @@ class KVStoreConnector:
         self.store.close()
 
     def _write(self, block_ids: list[int], blocks: list[np.ndarray]) -> None:
-        data = torch.from_numpy(np.stack(blocks))  # [n, L, 2, B, H, D]
+        data = _from_store(torch.from_numpy(np.stack(blocks)), self.runner.kv_caches[0][0].dtype)  # [n, L, 2, B, H, D]
         ids = torch.tensor(block_ids, dtype=torch.long)
         for layer, (k, v) in enumerate(self.runner.kv_caches):
             idx = ids.to(k.device)
@@ -107,7 +119,16 @@ class KVStoreConnector:
         for k, v in self.runner.kv_caches:
             idx = ids.to(k.device)
             per_layer.append(torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1))
-        data = torch.stack(per_layer, dim=1).cpu().numpy()  # [n, L, 2, B, H, D]
+        data = _to_store(torch.stack(per_layer, dim=1).cpu()).numpy()  # [n, L, 2, B, H, D]
         for (h, _), block in zip(items, data, strict=True):
             self.store.save_async(h, block)
         self.saved_blocks += len(items)
+
+
+def _to_store(t: torch.Tensor) -> torch.Tensor:
+    """numpy has no bfloat16: such blocks travel as their uint16 bit pattern (the store's dtype)."""
+    return t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
+
+
+def _from_store(t: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    return t.view(torch.bfloat16) if cache_dtype == torch.bfloat16 else t

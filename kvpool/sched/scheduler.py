@@ -321,6 +321,8 @@ class Scheduler:
             position = (load.start_block + num_loaded) * self.config.block_size
             load.seq.num_computed_tokens = min(load.seq.num_computed_tokens, position)
             self.num_external_hit_tokens -= (len(load.hashes) - num_loaded) * self.config.block_size
+            if load.group.num_preemptions == 0:  # usage reports what was reused, not what was planned
+                load.group.num_cached_prompt_tokens = min(load.group.num_cached_prompt_tokens, position)
 
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence sharing every block of `parent` (copy-on-write on its next write)."""

@@ -67,6 +67,13 @@ class KVStoreCollector:
             for tier, st in stats.items():
                 fam.add_metric([self._model, tier], float(getattr(st, field)))
             yield fam
+        bad = CounterMetricFamily("kvpool:kv_store_bad_entries", "Store entries that could not be a block "
+                                  "(wrong type or size, not a regular file, undecodable): served as misses.",
+                                  labels=["model_name", "tier", "reason"])
+        for tier, st in stats.items():
+            for reason, n in sorted(st.bad_entries.items()):
+                bad.add_metric([self._model, tier, reason], float(n))
+        yield bad
         hit = CounterMetricFamily("kvpool:kv_store_hit_tokens", "Prompt tokens loaded from the store instead of "
                                   "computed.", labels=["model_name"])
         hit.add_metric([self._model], float(self._engine.scheduler.num_external_hit_tokens))

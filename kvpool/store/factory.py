@@ -1,5 +1,5 @@
 """Build a TieredKVStore from the CLI flags --kv-host-memory, --kv-disk-path, --kv-disk-size,
---kv-remote URL and --kv-write-policy."""
+--kv-remote URL, --kv-write-policy and the per-tier codecs --kv-disk-codec, --kv-remote-codec."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 
 from kvpool.errors import ConfigError
 from kvpool.sizes import parse_bytes
+from kvpool.store.codec import get_codec
 from kvpool.store.disk import DiskTier
 from kvpool.store.host import HostTier
 from kvpool.store.kv_store import TieredKVStore
@@ -36,9 +37,15 @@ def make_store(
     block_shape: tuple[int, ...],
     dtype: np.dtype | str,
     eviction_policy: str = "lru",
+    disk_codec: str = "none",
+    remote_codec: str = "none",
 ) -> TieredKVStore | None:
-    """The configured tiers (host, disk, remote; each optional) as one store; None if none is."""
+    """The configured tiers (host, disk, remote; each optional) as one store; None if none is.
+    The host tier stores raw bytes (compressing DRAM copies costs more than it saves)."""
+    get_codec(disk_codec, "--kv-disk-codec")  # refused before any tier is built
+    get_codec(remote_codec, "--kv-remote-codec")
     tiers: list[Tier] = []
+    codecs: dict[str, str] = {}
     host = parse_bytes(host_bytes, "--kv-host-memory")
     if host > 0:
         tiers.append(HostTier(host, eviction_policy))
@@ -47,8 +54,10 @@ def make_store(
         if disk <= 0:
             raise ConfigError(f"--kv-disk-path {disk_path!r} needs a positive --kv-disk-size, got {disk_bytes!r}")
         tiers.append(DiskTier(disk_path, disk, eviction_policy))
+        codecs[tiers[-1].name] = disk_codec
     if remote_url:
         tiers.append(make_remote_tier(remote_url))
+        codecs[tiers[-1].name] = remote_codec
     if not tiers:
         return None
-    return TieredKVStore(tiers, namespace, block_shape, dtype, write_policy)
+    return TieredKVStore(tiers, namespace, block_shape, dtype, write_policy, codecs=codecs)

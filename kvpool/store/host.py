@@ -27,6 +27,7 @@ class HostTier:
             raise ConfigError(f"host tier capacity must be positive, got {capacity_bytes} bytes")
         self.name = name
         self.on_evict: EvictCallback | None = None
+        self.max_value_bytes: int | None = None  # holds only what this process put
         self._blocks: dict[StoreKey, bytes] = {}
         self._policy = make_policy(policy)
         self._lock = threading.Lock()

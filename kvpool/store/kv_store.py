@@ -3,22 +3,35 @@
 Tiers are ordered fastest first (host, disk, remote). A request can reuse the longest run
 of blocks present from its first block, each block from whichever tier has it. Loads
 promote blocks into the first tier. Write-through saves to every tier; write-back saves
-to the first tier only and each tier demotes its evicted blocks to the next one. A block
-that fails to decode is treated as a miss and deleted from the tier that served it.
+to the first tier only and each tier demotes its evicted blocks to the next one. Each tier
+may pack blocks with its own codec (codec.py); a block moving between tiers is re-packed.
+
+Nothing a tier holds can break a request: `lookup` and `load` never raise. A value that
+fails to decode (truncated, bit-flipped, another model's, another block's, an old format)
+is a miss, counted by reason in that tier's `bad_entries`, and deleted from the tier that
+served it; a tier that raises is counted as an error and skipped.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
 from kvpool.core.hashing import BlockHash
 from kvpool.errors import ConfigError
-from kvpool.store.format import CorruptBlock, decode_block, encode_block
+from kvpool.store.codec import get_codec
+from kvpool.store.format import (
+    FORMAT_VERSION,
+    CorruptBlock,
+    block_codec_id,
+    decode_block,
+    encode_block,
+    max_encoded_size,
+)
 from kvpool.store.tier import StoreKey, Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -32,7 +45,9 @@ def namespace_id(namespace: str) -> str:
 
 
 class TieredKVStore:
-    """Blocks of one namespace (model, dtype, layout) across `tiers`, fastest first."""
+    """Blocks of one namespace (model, dtype, layout) across `tiers`, fastest first.
+
+    `codecs` maps tier names to codec names (codec.CODECS); unnamed tiers store raw bytes."""
 
     def __init__(
         self,
@@ -42,6 +57,7 @@ class TieredKVStore:
         dtype: np.dtype | str,
         write_policy: str = "write-through",
         workers: int = 2,
+        codecs: Mapping[str, str] | None = None,
     ) -> None:
         if not tiers:
             raise ConfigError("a tiered KV store needs at least one tier, got 0")
@@ -52,19 +68,30 @@ class TieredKVStore:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}")
+        codecs = dict(codecs or {})
+        unknown = sorted(set(codecs) - set(names))
+        if unknown:
+            raise ConfigError(f"codec given for tiers {unknown}, which this store does not have ({names})")
+        self.codecs = {name: get_codec(codecs.get(name, "none"), f"{name} tier codec").name for name in names}
         self.tiers = list(tiers)
         self.namespace = namespace
         self.block_shape = tuple(block_shape)
         self.dtype = np.dtype(dtype)
         self.write_policy = write_policy
-        self.corrupt_blocks: dict[str, int] = dict.fromkeys(names, 0)
-        self._prefix = f"kv:{namespace_id(namespace)}:"
+        self._bad: dict[str, dict[str, int]] = {name: {} for name in names}
+        self._raised: dict[str, int] = dict.fromkeys(names, 0)
+        # The format version is in the key, so servers of two versions sharing a pool never
+        # read (and delete) each other's blocks.
+        self._prefix = f"kv{FORMAT_VERSION}:{namespace_id(namespace)}:"
+        limit = max_encoded_size(namespace, bytes(16), self.block_shape, self.dtype)
+        for tier in self.tiers:
+            tier.max_value_bytes = limit
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore")
         self._pending: set[Future[bool]] = set()
         if write_policy == "write-back":
             for upper, lower in zip(self.tiers, self.tiers[1:], strict=False):
                 if hasattr(upper, "on_evict"):
-                    upper.on_evict = _demoter(lower)
+                    upper.on_evict = self._demoter(lower)
 
     def key(self, block_hash: BlockHash) -> StoreKey:
         """The namespaced key of a block in every tier."""
@@ -77,7 +104,7 @@ class TieredKVStore:
         pos = 0
         while pos < len(keys):
             for tier in self.tiers:
-                run = tier.lookup(keys[pos:])
+                run = self._guard(tier, "lookup", tier.lookup, keys[pos:]) or 0
                 if run:
                     where.extend([tier.name] * run)
                     pos += run
@@ -93,26 +120,29 @@ class TieredKVStore:
         """
         out: list[np.ndarray] = []
         for h in hashes:
-            block = self._load_one(self.key(h))
+            block = self._load_one(h)
             if block is None:
                 break
             out.append(block)
         return out
 
-    def _load_one(self, key: StoreKey) -> np.ndarray | None:
+    def _load_one(self, block_hash: BlockHash) -> np.ndarray | None:
+        key = self.key(block_hash)
         for i, tier in enumerate(self.tiers):
-            data = tier.get(key)
+            data = self._guard(tier, "get", tier.get, key)
             if data is None:
                 continue
             try:
-                block = decode_block(data, self.namespace, self.block_shape, self.dtype)
+                block = decode_block(data, self.namespace, self.block_shape, self.dtype, block_hash)
             except CorruptBlock as exc:
-                log.warning("tier %s: dropping unreadable block %s: %s", tier.name, key, exc)
-                self.corrupt_blocks[tier.name] += 1
-                tier.delete(key)
+                log.warning("tier %s: dropping unreadable block %s (%s): %s", tier.name, key, exc.reason, exc)
+                bad = self._bad[tier.name]
+                bad[exc.reason] = bad.get(exc.reason, 0) + 1
+                self._guard(tier, "delete", tier.delete, key)
                 continue
             if i > 0:
-                self.tiers[0].put(key, data)
+                top = self.tiers[0]
+                self._guard(top, "put", top.put, key, self._pack(top, block_hash, block, data))
             return block
         return None
 
@@ -123,11 +153,15 @@ class TieredKVStore:
                 f"block is {block.shape} {block.dtype}, this store holds {self.block_shape} {self.dtype}"
             )
         key = self.key(block_hash)
-        data = encode_block(self.namespace, block)
-        if self.write_policy == "write-back":
-            return self.tiers[0].put(key, data)
-        stored = [tier.put(key, data) for tier in self.tiers]
-        return any(stored)
+        targets = self.tiers[:1] if self.write_policy == "write-back" else self.tiers
+        encoded: dict[str, bytes] = {}
+        stored = False
+        for tier in targets:
+            codec = self.codecs[tier.name]
+            if codec not in encoded:
+                encoded[codec] = encode_block(self.namespace, block_hash, block, codec)
+            stored |= bool(self._guard(tier, "put", tier.put, key, encoded[codec]))
+        return stored
 
     def save_async(self, block_hash: BlockHash, block: np.ndarray) -> Future[bool]:
         """`save` on a worker thread; the block is copied now, so the caller may reuse it."""
@@ -146,7 +180,16 @@ class TieredKVStore:
         wait(pending)
 
     def stats(self) -> dict[str, TierStats]:
-        return {tier.name: tier.stats() for tier in self.tiers}
+        """Each tier's counters, plus what the store saw of it: undecodable entries in
+        `bad_entries`, calls that raised in `errors`."""
+        out = {}
+        for tier in self.tiers:
+            snap = tier.stats()
+            for reason, n in self._bad[tier.name].items():
+                snap.bad_entries[reason] = snap.bad_entries.get(reason, 0) + n
+            snap.errors += self._raised[tier.name]
+            out[tier.name] = snap
+        return out
 
     def close(self) -> None:
         """Finish pending async work, then release every tier."""
@@ -154,11 +197,38 @@ class TieredKVStore:
         for tier in self.tiers:
             tier.close()
 
+    # -- helpers ---------------------------------------------------------------------------
+    def _pack(self, tier: Tier, block_hash: BlockHash, block: np.ndarray, data: bytes) -> bytes:
+        """`data` (a valid encoding of `block`) as `tier` stores it: re-packed if its codec differs."""
+        if block_codec_id(data) == get_codec(self.codecs[tier.name]).id:
+            return data
+        return encode_block(self.namespace, block_hash, block, self.codecs[tier.name])
 
-def _demoter(lower: Tier) -> Callable[[StoreKey, bytes], None]:
-    """Write-back demotion: an evicted block moves one tier down."""
+    def _demoter(self, lower: Tier) -> Callable[[StoreKey, bytes], None]:
+        """Write-back demotion: an evicted block moves one tier down (re-packed for it; a block
+        that does not decode is not worth moving)."""
 
-    def demote(key: StoreKey, data: bytes) -> None:
-        lower.put(key, data)
+        def demote(key: StoreKey, data: bytes) -> None:
+            if block_codec_id(data) == get_codec(self.codecs[lower.name]).id:  # no re-packing: as it is
+                self._guard(lower, "put", lower.put, key, data)
+                return
+            try:
+                block_hash = bytes.fromhex(key[len(self._prefix):])
+                block = decode_block(data, self.namespace, self.block_shape, self.dtype, block_hash)
+            except (ValueError, CorruptBlock) as exc:
+                log.warning("tier %s: not demoting unreadable block %s: %s", lower.name, key, exc)
+                return
+            self._guard(lower, "put", lower.put, key, self._pack(lower, block_hash, block, data))
 
-    return demote
+        return demote
+
+    def _guard(self, tier: Tier, what: str, call: Callable, *args):
+        """`call(*args)`, or None if it raised: tiers handle their own I/O errors, and anything
+        they did not foresee must still not reach a request."""
+        try:
+            return call(*args)
+        except Exception as exc:  # the boundary between tiers and the request path
+            log.warning("tier %s: %s raised %s: %s; treating it as a miss", tier.name, what,
+                        type(exc).__name__, exc)
+            self._raised[tier.name] += 1
+            return None

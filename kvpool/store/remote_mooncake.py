@@ -43,6 +43,7 @@ class MooncakeTier:
         self.buffer_bytes = int(query.get("buffer_mb", 32)) * _MIB
         self.hostname = query.get("hostname", "127.0.0.1")
         self.connect_timeout_s = connect_timeout_s
+        self.max_value_bytes: int | None = None
         self._stats = TierStats(name=name, capacity_bytes=self.segment_bytes)
         self.health = PoolHealth(f"{name} ({url})", self._stats, retry_s=retry_s)
         self._lock = threading.Lock()
@@ -109,6 +110,11 @@ class MooncakeTier:
             data = self._client.get(key) if self._ready() else b""
             if not data:
                 self._stats.misses += 1
+                return None
+            if self.max_value_bytes is not None and len(data) > self.max_value_bytes:
+                self._stats.count_bad("size")
+                self._stats.misses += 1
+                self._client.remove(key)  # best effort (a lease may hold it a while)
                 return None
             self._stats.hits += 1
             self._stats.bytes_read += len(data)

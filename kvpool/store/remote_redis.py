@@ -2,7 +2,11 @@
 
 Blocks are immutable and content-addressed, so when two engines save the same block the
 second write is redundant; NX makes it a no-op instead of a rewrite. Timeouts are short and
-a down server is a miss (see health.py); eviction is Redis's own `maxmemory-policy`.
+a down server is a miss (see health.py); eviction is Redis's own `maxmemory-policy`. Every
+Redis error is a miss, never an exception to the caller: a key of another type under one of
+the store's names (WRONGTYPE) is a bad entry, counted and deleted (the store's key prefix
+makes it the store's own); reads fetch at most one byte more than `max_value_bytes`
+(GETRANGE), so an oversized value is a bad entry, never read whole.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class RedisTier:
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0), health_check_interval=0,
         )
+        self.max_value_bytes: int | None = None
         self._stats = TierStats(name=name)
         self.health = PoolHealth(f"{name} ({url})", self._stats, retry_s=retry_s)
 
@@ -48,6 +53,9 @@ class RedisTier:
         except _DOWN as exc:
             self.health.failed("lookup", exc)
             return 0
+        except redis.RedisError as exc:
+            self._unexpected("lookup", exc)
+            return 0
         self.health.succeeded()
         for i, hit in enumerate(present):
             if not hit:
@@ -60,13 +68,38 @@ class RedisTier:
                 self._stats.misses += 1
                 return None
             try:
-                data = self._client.get(key)
+                if self.max_value_bytes is None:
+                    data = self._client.get(key)
+                else:  # an empty string for a missing key
+                    data = self._client.getrange(key, 0, self.max_value_bytes)
             except _DOWN as exc:
                 self.health.failed("get", exc)
                 self._stats.misses += 1
                 return None
+            except redis.ResponseError as exc:
+                self.health.succeeded()
+                if str(exc).startswith("WRONGTYPE"):
+                    log.warning("redis tier %s: key %s holds another type; treating it as a miss and "
+                                "deleting it", self.name, key)
+                    self._stats.count_bad("wrong_type")
+                    self.delete(key)
+                else:
+                    self._unexpected("get", exc)
+                self._stats.misses += 1
+                return None
+            except redis.RedisError as exc:
+                self._unexpected("get", exc)
+                self._stats.misses += 1
+                return None
             self.health.succeeded()
-            if data is None:
+            if not data:
+                self._stats.misses += 1
+                return None
+            if self.max_value_bytes is not None and len(data) > self.max_value_bytes:
+                log.warning("redis tier %s: key %s holds more than a block; treating it as a miss and "
+                            "deleting it", self.name, key)
+                self._stats.count_bad("size")
+                self.delete(key)
                 self._stats.misses += 1
                 return None
             self._stats.hits += 1
@@ -89,6 +122,10 @@ class RedisTier:
                 self.health.succeeded()
                 self._stats.failed_puts += 1
                 return False
+            except redis.RedisError as exc:
+                self._unexpected("put", exc)
+                self._stats.failed_puts += 1
+                return False
             self.health.succeeded()
             self._stats.puts += 1
             if written:
@@ -102,6 +139,13 @@ class RedisTier:
             self._client.delete(key)
         except _DOWN as exc:
             self.health.failed("delete", exc)
+        except redis.RedisError as exc:
+            self._unexpected("delete", exc)
+
+    def _unexpected(self, what: str, exc: redis.RedisError) -> None:
+        """A reply the tier cannot use (not an outage): counted, logged, a miss."""
+        log.warning("redis tier %s: %s failed: %s: %s", self.name, what, type(exc).__name__, exc)
+        self._stats.errors += 1
 
     def stats(self) -> TierStats:
         snap = self._stats.snapshot()
@@ -110,6 +154,8 @@ class RedisTier:
                 info = self._client.info("memory")
             except _DOWN as exc:
                 self.health.failed("stats", exc)
+            except redis.RedisError as exc:
+                self._unexpected("stats", exc)
             else:
                 snap.used_bytes = int(info.get("used_memory", 0))
                 snap.capacity_bytes = int(info.get("maxmemory", 0))

@@ -2,7 +2,10 @@
 
 Tiers move opaque encoded blocks (see format.py) under string keys that the store has
 already namespaced; they never decode. A tier never raises into its caller for I/O
-trouble: a remote pool that is down is a miss and a failed put, counted in its stats.
+trouble: a remote pool that is down is a miss and a failed put, counted in its stats. An
+entry that is there but cannot be a block (a Redis key of another type, a directory or FIFO
+at a disk block path, a value of the wrong size) is a miss too, counted in `bad_entries`
+by reason; the store adds the entries that fail to decode (see format.CorruptBlock).
 """
 
 from __future__ import annotations
@@ -36,9 +39,13 @@ class TierStats:
     load_count: int = 0
     store_time_s: float = 0.0
     store_count: int = 0
+    bad_entries: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> entries met
 
     def snapshot(self) -> TierStats:
-        return dataclasses.replace(self)
+        return dataclasses.replace(self, bad_entries=dict(self.bad_entries))
+
+    def count_bad(self, reason: str) -> None:
+        self.bad_entries[reason] = self.bad_entries.get(reason, 0) + 1
 
     @contextmanager
     def timed_load(self) -> Iterator[None]:
@@ -61,9 +68,13 @@ class TierStats:
 
 @runtime_checkable
 class Tier(Protocol):
-    """A place that holds encoded blocks by key."""
+    """A place that holds encoded blocks by key.
+
+    `max_value_bytes` (set by the store: the largest block it writes) bounds what `get`
+    reads; a larger value is a bad entry, never read whole."""
 
     name: str
+    max_value_bytes: int | None
 
     def contains(self, key: StoreKey) -> bool:
         """Whether `key` is present now (a remote pool that is down answers False)."""

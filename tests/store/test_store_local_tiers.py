@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import ConfigError
-from kvpool.store.disk import DiskTier, file_name
+from kvpool.store.disk import MARKER, SUBDIR, DiskTier, file_name
 from kvpool.store.host import HostTier
 
 
@@ -78,7 +78,7 @@ def test_disk_round_trip_and_budget(tmp_path):
         assert disk.put(k, k.encode() * 100)
     assert not disk.contains("a") and disk.get("c") == b"c" * 100
     assert disk.stats().used_bytes == 200
-    assert sum(f.stat().st_size for f in tmp_path.iterdir()) == 200
+    assert sum(f.stat().st_size for f in (tmp_path / SUBDIR).glob("*.kvb")) == 200
 
 
 def test_disk_restart_finds_previous_blocks(tmp_path):
@@ -95,21 +95,24 @@ def test_disk_restart_evicts_down_to_a_smaller_budget_oldest_first(tmp_path):
     first = DiskTier(tmp_path, capacity_bytes=10_000)
     for i, k in enumerate("abc"):
         first.put(k, b"x" * 100)
-        os.utime(tmp_path / file_name(k), ns=(10**18 + i, 10**18 + i))
+        os.utime(tmp_path / SUBDIR / file_name(k), ns=(10**18 + i, 10**18 + i))
     smaller = DiskTier(tmp_path, capacity_bytes=200)
     assert not smaller.contains("a") and smaller.contains("b") and smaller.contains("c")
 
 
-def test_disk_restart_removes_interrupted_temp_files(tmp_path):
-    (tmp_path / ".tmp-deadbeef").write_bytes(b"partial")
+def test_disk_restart_removes_its_own_interrupted_temp_files_only(tmp_path):
     DiskTier(tmp_path, capacity_bytes=100)
-    assert not (tmp_path / ".tmp-deadbeef").exists()
+    ours = tmp_path / SUBDIR / f".tmp-{'ab' * 16}.part"
+    ours.write_bytes(b"partial")
+    (tmp_path / ".tmp-deadbeef").write_bytes(b"a user's file")
+    DiskTier(tmp_path, capacity_bytes=100)
+    assert not ours.exists() and (tmp_path / ".tmp-deadbeef").read_bytes() == b"a user's file"
 
 
 def test_disk_file_deleted_behind_our_back_is_a_miss(tmp_path):
     disk = DiskTier(tmp_path, capacity_bytes=1000)
     disk.put("a", b"data")
-    (tmp_path / file_name("a")).unlink()
+    (tmp_path / SUBDIR / file_name("a")).unlink()
     assert disk.get("a") is None
     assert not disk.contains("a") and disk.stats().used_bytes == 0
 
@@ -118,7 +121,7 @@ def test_disk_delete_removes_file(tmp_path, caplog):
     disk = DiskTier(tmp_path, capacity_bytes=1000)
     disk.put("a", b"data")
     disk.delete("a")
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in (tmp_path / SUBDIR).iterdir()] == [MARKER]
     with caplog.at_level(logging.INFO):
         DiskTier(tmp_path, capacity_bytes=1000)
     assert "found" not in caplog.text

@@ -14,6 +14,7 @@ from store_helpers import (
 )
 
 from kvpool.core.hashing import hash_blocks
+from kvpool.store.format import encode_block
 from kvpool.store.host import HostTier
 from kvpool.store.kv_store import TieredKVStore
 from kvpool.store.remote_mooncake import MooncakeTier
@@ -98,3 +99,16 @@ def test_unreachable_master_at_start_is_a_miss_not_an_error():
     assert tier.health.down
     assert tier.lookup(["a"]) == 0 and tier.put("a", b"x") is False and tier.get("a") is None
     assert tier.stats().failed_puts == 1
+
+
+def test_a_value_stored_under_another_blocks_key_is_refused(mooncake_master):
+    tier = MooncakeTier(url(mooncake_master))
+    store = TieredKVStore([tier], NAMESPACE, SHAPE, DTYPE)
+    hashes = hash_blocks(list(range(500, 512)), block_size=4, namespace="mooncake-swap")
+    store.save(hashes[0], make_block(0))
+    assert tier.put(store.key(hashes[1]), encode_block(NAMESPACE, hashes[0], make_block(0)))  # block 0's value
+    assert store.lookup(hashes[:2]) == (2, ["mooncake"] * 2)
+    out = store.load(hashes[:2])
+    assert len(out) == 1 and np.array_equal(out[0], make_block(0))
+    assert store.stats()["mooncake"].bad_entries == {"identity": 1}
+    store.close()

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 from store_helpers import (
     DTYPE,
     NAMESPACE,
@@ -89,3 +90,70 @@ def test_killed_server_degrades_to_misses_with_one_warning_then_recovers(tmp_pat
 def test_unreachable_pool_at_start_is_not_an_error(bad):
     tier = RedisTier(bad, timeout_s=0.2)
     assert tier.lookup(["a"]) == 0 and tier.put("a", b"x") is False and tier.get("a") is None
+
+
+def redis_store(service) -> tuple[TieredKVStore, RedisTier]:
+    tier = RedisTier(url(service))
+    return TieredKVStore([tier], NAMESPACE, SHAPE, DTYPE), tier
+
+
+def test_a_key_of_another_type_is_a_counted_miss_and_is_dropped(redis_server):
+    store, tier = redis_store(redis_server)
+    hashes = hash_blocks(list(range(1000, 1012)), block_size=4, namespace="redis-wrongtype")
+    for i, h in enumerate(hashes):
+        store.save(h, make_block(i))
+    raw = redis.Redis(port=redis_server.port)
+    raw.delete(store.key(hashes[1]))
+    raw.rpush(store.key(hashes[1]), b"not a block")  # GET on it is a WRONGTYPE error
+    assert store.lookup(hashes) == (3, ["redis"] * 3)
+    out = store.load(hashes)
+    assert len(out) == 1 and np.array_equal(out[0], make_block(0))
+    assert store.stats()["redis"].bad_entries == {"wrong_type": 1}
+    assert not raw.exists(store.key(hashes[1]))
+    assert not tier.health.down
+
+
+def test_swapped_values_are_refused_not_served(redis_server):
+    store, _ = redis_store(redis_server)
+    hashes = hash_blocks(list(range(2000, 2012)), block_size=4, namespace="redis-swap")
+    for i, h in enumerate(hashes):
+        store.save(h, make_block(i))
+    raw = redis.Redis(port=redis_server.port)
+    a, b = store.key(hashes[0]), store.key(hashes[2])
+    va, vb = raw.get(a), raw.get(b)
+    raw.set(a, vb)
+    raw.set(b, va)
+    assert store.load(hashes) == []
+    assert store.stats()["redis"].bad_entries == {"identity": 1}
+    assert store.save(hashes[0], make_block(0))
+    assert len(store.load(hashes[:2])) == 2
+
+
+def test_an_oversized_value_is_never_read_whole(redis_server):
+    store, tier = redis_store(redis_server)
+    (h,) = hash_blocks(list(range(3000, 3004)), block_size=4, namespace="redis-big")
+    raw = redis.Redis(port=redis_server.port)
+    raw.set(store.key(h), b"x" * (10 * tier.max_value_bytes))
+    assert store.load([h]) == []
+    assert store.stats()["redis"].bad_entries == {"size": 1}
+    assert tier.stats().bytes_read <= tier.max_value_bytes + 1
+    assert not raw.exists(store.key(h))
+
+
+@pytest.mark.parametrize("codec", ["zstd", "zstd-shuffle"])
+def test_a_compressed_block_round_trips_and_a_corrupted_one_is_dropped(redis_server, codec):
+    tier = RedisTier(url(redis_server))
+    store = TieredKVStore([tier], NAMESPACE, SHAPE, DTYPE, codecs={"redis": codec})
+    hashes = hash_blocks(list(range(4000, 4008)), block_size=4, namespace=f"redis-{codec}")
+    blocks = [np.round(make_block(i).astype(np.float32), 1).astype(DTYPE) for i in range(2)]
+    for h, b in zip(hashes, blocks, strict=True):
+        store.save(h, b)
+    raw = redis.Redis(port=redis_server.port)
+    assert len(raw.get(store.key(hashes[0]))) < blocks[0].nbytes  # stored compressed
+    out = store.load(hashes)
+    assert all(np.array_equal(o.view(np.uint16), b.view(np.uint16)) for o, b in zip(out, blocks, strict=True))
+    value = bytearray(raw.get(store.key(hashes[1])))
+    value[-30] ^= 0x04
+    raw.set(store.key(hashes[1]), bytes(value))
+    assert len(store.load(hashes)) == 1
+    assert sum(store.stats()["redis"].bad_entries.values()) == 1
