@@ -97,3 +97,41 @@ def wait_idle(server: Server, timeout_s: float = 30.0) -> dict[str, float]:
         if idle and m["kvpool:kv_blocks_free"] == m["kvpool:kv_blocks_total"] or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
+
+
+# -- the app in-process (fuzzing, route tables): a real engine, no subprocess -------------------
+KEYS = ("tenant-a-key", "tenant-b-key")
+CLUSTER_KEY = "cluster-key"
+
+
+def build_inprocess_app(**server_kwargs):
+    """The server's app around a real engine on the bundled model, as `kvpool serve --role both`
+    with two API keys and a cluster key builds it."""
+    from kvpool.engine.config import EngineConfig
+    from kvpool.engine.engine import Engine
+    from kvpool.serve.app import build_app
+    from kvpool.serve.async_engine import AsyncEngine
+    from kvpool.serve.auth import KeyRing
+    from kvpool.serve.internal import build_internal_router
+    from kvpool.serve.metrics import ServerMetrics
+    from kvpool.serve.state import ServerState
+
+    config = EngineConfig(num_blocks=128, max_model_len=512, max_num_seqs=32, publish_kv_events=True, threads=1)
+    engine = AsyncEngine.launch(lambda: Engine(config), lambda e: ServerMetrics(e.loaded.name), watchdog_s=60.0)
+    e = engine.engine
+    state = ServerState(engine=engine, tokenizer=e.tokenizer, model_name=e.loaded.name, aliases=frozenset(),
+                        max_model_len=e.max_model_len, kv_capacity_tokens=128 * 16,
+                        vocab_size=e.loaded.config.vocab_size, keys=KeyRing.build(KEYS, CLUSTER_KEY))
+    app = build_app(state, shutdown_timeout_s=5.0, **server_kwargs)
+    app.include_router(build_internal_router(state, "both", None))
+    return app, state
+
+
+@pytest.fixture(scope="session")
+def inprocess():
+    """(TestClient, ServerState) of one in-process app, shared by the session."""
+    from starlette.testclient import TestClient
+
+    app, state = build_inprocess_app()
+    with TestClient(app) as client:
+        yield client, state
