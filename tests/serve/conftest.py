@@ -20,6 +20,10 @@ import pytest
 SERVER_ARGS = ["--num-blocks", "256", "--max-model-len", "1024", "--max-num-seqs", "64"]
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+OTHER_KEY = "other-tenant-key"  # a second tenant of the session server
+OTHER_AUTH = {"Authorization": f"Bearer {OTHER_KEY}"}
+SERVER_CLUSTER_KEY = "test-cluster-key"
+MAX_REQUEST_BYTES = 256 * 1024
 
 
 def free_port() -> int:
@@ -33,6 +37,8 @@ class Server:
     proc: subprocess.Popen
     url: str
     log: Path
+    headers: dict[str, str]  # what /metrics needs
+    initial_metrics: dict[str, float] | None = None  # /metrics as soon as /health said 200
 
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -46,7 +52,9 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled view of /metrics: sample name -> value (labels dropped)."""
-        text = httpx.get(f"{self.url}/metrics").text
+        r = httpx.get(f"{self.url}/metrics", headers=self.headers)
+        assert r.status_code == 200, r.text
+        text = r.text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -55,19 +63,20 @@ class Server:
         return out
 
 
-def start_server(*extra: str, startup_timeout_s: float = 180.0) -> Server:
+def start_server(*extra: str, startup_timeout_s: float = 180.0, headers: dict[str, str] | None = None) -> Server:
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="kvpool-serve-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--port", str(port), *SERVER_ARGS, *extra]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    server = Server(proc, f"http://127.0.0.1:{port}", log, headers or {})
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
+                server.initial_metrics = server.metrics()
                 return server
         except httpx.TransportError:
             pass
@@ -78,7 +87,8 @@ def start_server(*extra: str, startup_timeout_s: float = 180.0) -> Server:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
-    s = start_server("--api-key", API_KEY)
+    s = start_server("--api-key", API_KEY, "--api-key", OTHER_KEY, "--role", "both", "--cluster-key",
+                     SERVER_CLUSTER_KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES), headers=AUTH)
     yield s
     assert s.stop() == 0, s.log.read_text()
 
