@@ -63,7 +63,7 @@ class Server:
         return out
 
 
-def start_server(*extra: str, startup_timeout_s: float = 180.0, headers: dict[str, str] | None = None) -> Server:
+def start_server(*extra: str, startup_timeout_s: float = 600.0, headers: dict[str, str] | None = None) -> Server:
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="kvpool-serve-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--port", str(port), *SERVER_ARGS, *extra]

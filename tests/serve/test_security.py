@@ -16,7 +16,7 @@ def test_kv_gauges_are_right_before_the_first_request(server):
 
 
 @pytest.mark.parametrize("authorization", [
-    "Bearer café".encode(), b"\xff\xfe\x00", b"Bearer \xe2\x82\xac", b"Basic dGVzdC1rZXk=", b"Bearer", b"Bearer   ",
+    "Bearer café".encode(), b"\xff\xfe", b"Bearer \xe2\x82\xac", b"Basic dGVzdC1rZXk=", b"Bearer", b"Bearer   ",
     b"test-key", b"bearer test-key-but-longer",
 ])
 def test_malformed_or_wrong_authorization_is_401(server, authorization):
