@@ -7,6 +7,9 @@ import logging
 
 from kvpool.cluster.predictor import LinearPredictor, StepTimePredictor, TransferCost
 from kvpool.cluster.records import POLICIES, REJECTIONS, ConductorConfig
+from kvpool.serve.auth import add_auth_arguments, api_keys_from_args
+from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES
+from kvpool.sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--api-key", default=None)
+    add_auth_arguments(s)
+    s.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
+                   help="largest request body accepted; larger ones get 413 (default: 4 MiB)")
     s.add_argument("--served-model-name", default=None)
 
 
@@ -65,7 +70,9 @@ def main(args: argparse.Namespace) -> int:
         conductor=ConductorConfig(policy=args.policy, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                   rejection=args.rejection, replication_threshold=args.replication_threshold,
                                   block_size=args.block_size, seed=args.seed),
-        served_model_name=args.served_model_name, poll_interval_s=args.poll_interval, api_key=args.api_key,
+        served_model_name=args.served_model_name, poll_interval_s=args.poll_interval,
+        api_keys=api_keys_from_args(args), cluster_key=args.cluster_key, metrics_open=args.metrics_open,
+        max_request_bytes=parse_bytes(args.max_request_bytes, "--max-request-bytes"),
     )
     app = build_gateway(config, predictor_from(args.profile), load_tokenizer(args.model))
     url = f"http://{args.host}:{args.port}"

@@ -1,11 +1,13 @@
 """`kvpool conductor`: an OpenAI-compatible gateway in front of prefill/decode (or colocated)
 instances, routing with the pure `Conductor`.
 
-It tokenizes (tokenizer only, no weights), hashes the prompt's full blocks with the instances'
-namespace, asks the conductor for a (prefill, decode) pair, and relays the request
-(`kvpool.cluster.relay`). A poller keeps the conductor's loads, KV index and up/down state
-current. Rejections are 429 with Retry-After; an instance failing mid-request is a 502; no
-instance of a needed role up is a 503 — all in OpenAI's error shape.
+It tokenizes (tokenizer only, no weights, off the event loop), hashes the prompt's full blocks
+with the instances' namespace and the tenant's salt, asks the conductor for a (prefill,
+decode) pair, and relays the request (`kvpool.cluster.relay`) with the cluster key. A poller
+keeps the conductor's loads, KV index and up/down state current. Requests are validated, keyed
+and mapped to errors exactly as `kvpool serve` does it (`kvpool.serve.protocol`, `.auth`,
+`.errors`, `.gate`): rejections are 429 with Retry-After, an instance failing mid-request is a
+502, no instance of a needed role up is a 503.
 """
 
 from __future__ import annotations
@@ -17,29 +19,35 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from kvpool.cluster.conductor import Conductor
 from kvpool.cluster.members import Member, MemberPoller
 from kvpool.cluster.metrics import build_registry
 from kvpool.cluster.predictor import StepTimePredictor
 from kvpool.cluster.records import ConductorConfig
-from kvpool.cluster.relay import InstanceFailed, NoInstance, Piece, Relay, RelayStats
+from kvpool.cluster.relay import NoInstance, Piece, Relay, RelayStats
 from kvpool.core.hashing import hash_blocks
 from kvpool.errors import ConfigError, InvalidRequest
-from kvpool.serve.errors import Unauthenticated, error_body, install_handlers
-from kvpool.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvpool.serve.auth import KeyRing, request_salt
+from kvpool.serve.chat import render_request
+from kvpool.serve.errors import install_handlers
+from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from kvpool.serve.protocol import ChatCompletionRequest, CompletionRequest, check_text
 from kvpool.serve.responses import sse_stream, unless_disconnected
+from kvpool.serve.state import off_loop, tokenizer_pool
+
+OPEN_ROUTES = frozenset({"/health"})  # plus /metrics with --metrics-open
 
 # request fields passed through to the instances as they are
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-           "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "cache_salt")
+           "min_tokens", "include_stop_str_in_output", "skip_special_tokens")
 
 
 @dataclass(slots=True)
@@ -52,7 +60,10 @@ class GatewayConfig:
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
     served_model_name: str | None = None
     poll_interval_s: float = 0.1
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    cluster_key: str | None = None  # sent to the instances' /internal routes
+    metrics_open: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if self.instances and (self.prefill or self.decode):
@@ -70,176 +81,10 @@ class GatewayConfig:
 
 
 class MatchRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
     prompt: str | list[int]
     cache_salt: str | None = None
-
-
-def build_gateway(config: GatewayConfig, predictor: StepTimePredictor, tokenizer: Any) -> FastAPI:
-    members = config.members()
-    prefill_ids = [m.instance_id for m in members.values() if m.role in ("prefill", "both")]
-    decode_ids = [m.instance_id for m in members.values() if m.role == "decode"]
-    conductor = Conductor(prefill_ids, decode_ids, predictor, config.conductor)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), limits=httpx.Limits(max_connections=None))
-    poller = MemberPoller(members, conductor, client, config.poll_interval_s)
-    stats = RelayStats()
-    registry = build_registry(poller, conductor, stats)
-    created = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        task = asyncio.create_task(poller.run())
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await client.aclose()
-
-    app = FastAPI(title="kvpool conductor", lifespan=lifespan)
-    install_handlers(app)
-    _install_upstream_handlers(app)
-
-    def model_name() -> str:
-        return config.served_model_name or next((m.info["model"] for m in members.values() if m.info), "kvpool")
-
-    def check_model(model: str | None) -> None:
-        if model and model != model_name():
-            raise InvalidRequest(f"model {model!r} does not exist; this cluster serves {model_name()!r}", "model")
-
-    def require_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != config.api_key:
-            raise Unauthenticated("missing or invalid API key (send Authorization: Bearer <key>)")
-
-    def hashes(ids: list[int], salt: str | None) -> list[bytes]:
-        if poller.namespace is None:
-            raise NoInstance("no instance has reported yet; retry later")
-        return hash_blocks(ids, config.conductor.block_size, poller.namespace, salt)
-
-    def relay_for(ids: list[int], req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                  prefix: str) -> Relay:
-        limit = poller.max_model_len or 0
-        if max_tokens is None:
-            max_tokens = max(1, limit - len(ids))
-        if max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-        if limit and len(ids) + max_tokens > limit:
-            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                                 f"model's context of {limit}", "max_tokens")
-        given = req.model_dump(exclude_unset=True)
-        body = {k: given[k] for k in _PASSED if k in given}
-        rid = f"{prefix}-{uuid.uuid4().hex[:20]}"
-        return Relay(rid, ids, hashes(ids, req.cache_salt), body, max_tokens, conductor, poller, client, stats)
-
-    def usage(relay: Relay) -> dict[str, Any]:
-        return {"prompt_tokens": len(relay.ids), "completion_tokens": relay.output_tokens,
-                "total_tokens": len(relay.ids) + relay.output_tokens,
-                "prompt_tokens_details": {"cached_tokens": relay.cached_tokens}}
-
-    async def collect(relay: Relay, first: Piece) -> list[Piece]:
-        return [first] + [p async for p in relay.rest()]
-
-    async def respond(relay: Relay, raw: Request, stream: bool, include_usage: bool, obj: str,
-                      shape: Callable[[Piece], dict[str, Any]], whole: Callable[[str, Piece], dict[str, Any]]):
-        first = await relay.start()
-        head = {"id": relay.rid, "created": int(time.time()), "model": model_name()}
-        if stream:
-            async def chunks() -> AsyncIterator[dict[str, Any]]:
-                if obj == "chat.completion.chunk":
-                    yield {**head, "object": obj, "choices": [{"index": 0, "delta": {"role": "assistant",
-                           "content": ""}, "logprobs": None, "finish_reason": None}]}
-                yield {**head, "object": obj, "choices": [shape(first)]}
-                async for piece in relay.rest():
-                    yield {**head, "object": obj, "choices": [shape(piece)]}
-                if include_usage:
-                    yield {**head, "object": obj, "choices": [], "usage": usage(relay)}
-
-            return StreamingResponse(sse_stream(chunks()), media_type="text/event-stream")
-        pieces = await unless_disconnected(raw, collect(relay, first))
-        last = pieces[-1]
-        text = "".join(p.text for p in pieces)
-        return JSONResponse({**head, "object": obj, "choices": [whole(text, last)], "usage": usage(relay)})
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
-
-    @v1.get("/models")
-    async def models() -> dict:
-        card = {"id": model_name(), "object": "model", "created": created, "owned_by": "kvpool",
-                "max_model_len": poller.max_model_len}
-        return {"object": "list", "data": [card]}
-
-    @v1.post("/completions")
-    async def completions(req: CompletionRequest, raw: Request):
-        req.check()
-        check_model(req.model)
-        _check_supported(req.n, req.use_beam_search, req.logprobs is not None or req.echo)
-        prompts = req.prompt_list()
-        if len(prompts) != 1:
-            raise InvalidRequest("the conductor takes one prompt per request", "prompt")
-        ids = tokenizer.encode(prompts[0]) if isinstance(prompts[0], str) else list(prompts[0])
-        relay = relay_for(ids, req, req.max_tokens, "cmpl")
-        return await respond(
-            relay, raw, req.stream, req.include_usage, "text_completion",
-            lambda p: {"index": 0, "text": p.text, "logprobs": None, "finish_reason": p.finish_reason,
-                       "stop_reason": p.stop_reason},
-            lambda text, last: {"index": 0, "text": text, "logprobs": None,
-                                "finish_reason": last.finish_reason, "stop_reason": last.stop_reason})
-
-    @v1.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        req.check()
-        check_model(req.model)
-        _check_supported(req.n, req.use_beam_search, req.logprobs)
-        text = tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
-                                             add_generation_prompt=req.add_generation_prompt,
-                                             **(req.chat_template_kwargs or {}))
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        relay = relay_for(ids, req, req.requested_max_tokens, "chatcmpl")
-        obj = "chat.completion.chunk" if req.stream else "chat.completion"
-        return await respond(
-            relay, raw, req.stream, req.include_usage, obj,
-            lambda p: {"index": 0, "delta": {"content": p.text} if p.text else {}, "logprobs": None,
-                       "finish_reason": p.finish_reason, "stop_reason": p.stop_reason},
-            lambda text, last: {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                                "finish_reason": last.finish_reason, "stop_reason": last.stop_reason})
-
-    app.include_router(v1)
-
-    @app.get("/health")
-    async def health() -> Response:
-        roles = {m.role for m in members.values() if m.up}
-        ok = bool(roles & {"prefill", "both"}) and (not decode_ids or "decode" in roles)
-        return Response(status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/cluster")
-    async def cluster() -> dict:
-        snap = conductor.snapshot(time.monotonic())
-        for inst, view in snap["instances"].items():
-            view.update(members[inst].view())
-        s = stats
-        snap["pool"] = poller.pool
-        snap["gateway"] = {
-            "requests": s.requests, "completed": s.completed, "rejected": dict(s.rejected),
-            "decode_refused": s.decode_refused, "failed": dict(s.failed), "aborted": s.aborted,
-            "prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
-            "generated_tokens": s.generated_tokens,
-            "mean_ttft_s": s.ttft_sum_s / s.ttft_count if s.ttft_count else None,
-        }
-        return snap
-
-    @app.post("/cluster/match")
-    async def match(req: MatchRequest) -> dict:
-        """Which instances hold how many leading blocks of this prompt (debugging, tests)."""
-        ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
-        h = hashes(ids, req.cache_salt)
-        return {"blocks": len(h), "holders": conductor.index.prefix_match(h)}
-
-    return app
+    cache_scope: Literal["tenant", "shared"] = "tenant"
 
 
 def _check_supported(n: int, beam: bool, logprobs: bool) -> None:
@@ -251,13 +96,196 @@ def _check_supported(n: int, beam: bool, logprobs: bool) -> None:
         raise InvalidRequest("the conductor does not relay logprobs or echo", "logprobs")
 
 
-def _install_upstream_handlers(app: FastAPI) -> None:
-    async def on_failed(_: Request, exc: InstanceFailed) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), "upstream_error", None, "instance_failed"), status_code=502)
+def _completion_piece(p: Piece) -> dict[str, Any]:
+    return {"index": 0, "text": p.text, "logprobs": None, "finish_reason": p.finish_reason,
+            "stop_reason": p.stop_reason}
 
-    async def on_none(_: Request, exc: NoInstance) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), "service_unavailable", None, "no_instance"), status_code=503,
-                            headers={"Retry-After": "1"})
 
-    app.add_exception_handler(InstanceFailed, on_failed)
-    app.add_exception_handler(NoInstance, on_none)
+def _completion_whole(text: str, last: Piece) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason,
+            "stop_reason": last.stop_reason}
+
+
+def _chat_piece(p: Piece) -> dict[str, Any]:
+    return {"index": 0, "delta": {"content": p.text} if p.text else {}, "logprobs": None,
+            "finish_reason": p.finish_reason, "stop_reason": p.stop_reason}
+
+
+def _chat_whole(text: str, last: Piece) -> dict[str, Any]:
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
+
+
+class Gateway:
+    """The gateway's state and its route handlers (registered by `build_gateway`)."""
+
+    def __init__(self, config: GatewayConfig, predictor: StepTimePredictor, tokenizer: Any) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.keys = KeyRing.build(config.api_keys, None, config.metrics_open)
+        self.members = config.members()
+        prefill_ids = [m.instance_id for m in self.members.values() if m.role in ("prefill", "both")]
+        self.decode_ids = [m.instance_id for m in self.members.values() if m.role == "decode"]
+        self.conductor = Conductor(prefill_ids, self.decode_ids, predictor, config.conductor)
+        headers = {"Authorization": f"Bearer {config.cluster_key}"} if config.cluster_key else {}
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), headers=headers,
+                                        limits=httpx.Limits(max_connections=None))
+        self.poller = MemberPoller(self.members, self.conductor, self.client, config.poll_interval_s)
+        self.stats = RelayStats()
+        self.registry = build_registry(self.poller, self.conductor, self.stats)
+        self.pool = tokenizer_pool()
+        self.created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(self, _: FastAPI):
+        task = asyncio.create_task(self.poller.run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await self.client.aclose()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- helpers --------------------------------------------------------------------------
+    def model_name(self) -> str:
+        return self.config.served_model_name or next(
+            (m.info["model"] for m in self.members.values() if m.info), "kvpool")
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name():
+            raise InvalidRequest(f"model {model!r} does not exist; this cluster serves {self.model_name()!r}",
+                                 "model")
+
+    def hashes(self, ids: list[int], salt: str | None) -> list[bytes]:
+        if self.poller.namespace is None:
+            raise NoInstance("no instance has reported yet; retry later")
+        return hash_blocks(ids, self.config.conductor.block_size, self.poller.namespace, salt)
+
+    def relay_for(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                  salt: str | None, prefix: str) -> Relay:
+        limit = self.poller.max_model_len or 0
+        if max_tokens is None:
+            max_tokens = max(1, limit - len(ids))
+        if max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        if limit and len(ids) + max_tokens > limit:
+            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                 f"model's context of {limit}", "max_tokens")
+        given = req.model_dump(exclude_unset=True)
+        body = {k: given[k] for k in _PASSED if k in given}
+        if salt is not None:
+            body["cache_salt"] = salt
+        rid = f"{prefix}-{uuid.uuid4().hex[:20]}"
+        return Relay(rid, ids, self.hashes(ids, salt), body, max_tokens, self.conductor, self.poller, self.client,
+                     self.stats)
+
+    @staticmethod
+    def usage(relay: Relay) -> dict[str, Any]:
+        return {"prompt_tokens": len(relay.ids), "completion_tokens": relay.output_tokens,
+                "total_tokens": len(relay.ids) + relay.output_tokens,
+                "prompt_tokens_details": {"cached_tokens": relay.cached_tokens}}
+
+    async def respond(self, relay: Relay, raw: Request, stream: bool, include_usage: bool, obj: str,
+                      shape: Callable[[Piece], dict[str, Any]], whole: Callable[[str, Piece], dict[str, Any]]):
+        first = await relay.start()
+        head = {"id": relay.rid, "created": int(time.time()), "model": self.model_name()}
+        if stream:
+            async def chunks() -> AsyncIterator[dict[str, Any]]:
+                if obj == "chat.completion.chunk":
+                    yield {**head, "object": obj, "choices": [{"index": 0, "delta": {"role": "assistant",
+                           "content": ""}, "logprobs": None, "finish_reason": None}]}
+                yield {**head, "object": obj, "choices": [shape(first)]}
+                async for piece in relay.rest():
+                    yield {**head, "object": obj, "choices": [shape(piece)]}
+                if include_usage:
+                    yield {**head, "object": obj, "choices": [], "usage": self.usage(relay)}
+
+            return StreamingResponse(sse_stream(chunks()), media_type="text/event-stream")
+
+        async def collect() -> list[Piece]:
+            return [first] + [p async for p in relay.rest()]
+
+        pieces = await unless_disconnected(raw, collect())
+        text = "".join(p.text for p in pieces)
+        return JSONResponse({**head, "object": obj, "choices": [whole(text, pieces[-1])],
+                             "usage": self.usage(relay)})
+
+    # -- routes ---------------------------------------------------------------------------
+    async def list_models(self) -> dict:
+        card = {"id": self.model_name(), "object": "model", "created": self.created, "owned_by": "kvpool",
+                "max_model_len": self.poller.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        req.check()
+        self.check_model(req.model)
+        _check_supported(req.n, req.use_beam_search, req.logprobs is not None or req.echo)
+        prompts = req.prompt_list()
+        if len(prompts) != 1:
+            raise InvalidRequest("the conductor takes one prompt per request", "prompt")
+        p = prompts[0]
+        ids = await off_loop(self.pool, self.tokenizer.encode, p, add_special_tokens=req.add_special_tokens) \
+            if isinstance(p, str) else list(p)
+        relay = self.relay_for(ids, req, req.max_tokens, request_salt(raw, req.cache_salt, req.cache_scope), "cmpl")
+        return await self.respond(relay, raw, req.stream, req.include_usage, "text_completion",
+                                  _completion_piece, _completion_whole)
+
+    async def chat_completions(self, req: ChatCompletionRequest, raw: Request):
+        req.check()
+        self.check_model(req.model)
+        _check_supported(req.n, req.use_beam_search, req.logprobs)
+        ids = await off_loop(self.pool, render_request, self.tokenizer, req)
+        salt = request_salt(raw, req.cache_salt, req.cache_scope)
+        relay = self.relay_for(ids, req, req.requested_max_tokens, salt, "chatcmpl")
+        obj = "chat.completion.chunk" if req.stream else "chat.completion"
+        return await self.respond(relay, raw, req.stream, req.include_usage, obj, _chat_piece, _chat_whole)
+
+    async def health(self) -> Response:
+        roles = {m.role for m in self.members.values() if m.up}
+        ok = bool(roles & {"prefill", "both"}) and (not self.decode_ids or "decode" in roles)
+        return Response(status_code=200 if ok else 503)
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def cluster(self) -> dict:
+        snap = self.conductor.snapshot(time.monotonic())
+        for inst, view in snap["instances"].items():
+            view.update(self.members[inst].view())
+        s = self.stats
+        snap["pool"] = self.poller.pool
+        snap["gateway"] = {
+            "requests": s.requests, "completed": s.completed, "rejected": dict(s.rejected),
+            "decode_refused": s.decode_refused, "failed": dict(s.failed), "aborted": s.aborted,
+            "prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "mean_ttft_s": s.ttft_sum_s / s.ttft_count if s.ttft_count else None,
+        }
+        return snap
+
+    async def match(self, req: MatchRequest, raw: Request) -> dict:
+        """Which instances hold how many leading blocks of this prompt (debugging, tests)."""
+        check_text(req.prompt, "prompt")
+        if isinstance(req.prompt, str):
+            ids = await off_loop(self.pool, self.tokenizer.encode, req.prompt)
+        else:
+            ids = req.prompt
+        h = self.hashes(ids, request_salt(raw, req.cache_salt, req.cache_scope))
+        return {"blocks": len(h), "holders": self.conductor.index.prefix_match(h)}
+
+
+def build_gateway(config: GatewayConfig, predictor: StepTimePredictor, tokenizer: Any) -> FastAPI:
+    gw = Gateway(config, predictor, tokenizer)
+    app = FastAPI(title="kvpool conductor", lifespan=gw.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gw
+    install_handlers(app)
+    app.add_api_route("/health", gw.health, methods=["GET"])
+    app.add_api_route("/metrics", gw.metrics, methods=["GET"], dependencies=[Depends(gw.keys.metrics)])
+    keyed = APIRouter(dependencies=[Depends(gw.keys.api_key)])
+    keyed.add_api_route("/v1/models", gw.list_models, methods=["GET"])
+    keyed.add_api_route("/v1/completions", gw.completions, methods=["POST"])
+    keyed.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
+    keyed.add_api_route("/cluster", gw.cluster, methods=["GET"])
+    keyed.add_api_route("/cluster/match", gw.match, methods=["POST"])
+    app.include_router(keyed)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    return app

@@ -2,7 +2,8 @@
 prefill / decode (or colocated) `kvpool serve` instances and a `kvpool conductor`, each a
 subprocess on a free loopback port. Used by `kvpool cluster up|down`, the tests and
 `kvpool bench cluster`. A state file records every pid, so `down` stops exactly what `up`
-started.
+started. Every process gets a fresh random cluster key (through the environment, not argv), so
+the instances' /internal routes answer only this cluster's conductor.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from kvpool.errors import ConfigError, KVPoolError
+from kvpool.serve.auth import CLUSTER_KEY_ENV
 from kvpool.store.services import free_port, mooncake_master_service, redis_service
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class ClusterSpec:
     decode_args: list[str] = field(default_factory=list)  # extra flags for decode instances only
     conductor_args: list[str] = field(default_factory=list)  # extra `kvpool conductor` flags
     log_dir: str = ""
+    api_key: str | None = None  # the conductor's client API key (None: its routes are open)
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
@@ -79,6 +83,7 @@ class LocalCluster:
         self._popen: dict[str, subprocess.Popen] = {}
         self.log_dir = Path(spec.log_dir or f"/tmp/kvpool-cluster-{os.getpid()}-{time.time_ns() % 10**6}")
         self.pool_url: str | None = None
+        self.cluster_key = secrets.token_urlsafe(24)
 
     @property
     def conductor_url(self) -> str:
@@ -86,6 +91,16 @@ class LocalCluster:
 
     def urls(self, role: str) -> list[str]:
         return [p.url for p in self.procs.values() if p.role == role]
+
+    @property
+    def cluster_headers(self) -> dict[str, str]:
+        """What an instance's /internal routes need."""
+        return {"Authorization": f"Bearer {self.cluster_key}"}
+
+    @property
+    def client_headers(self) -> dict[str, str]:
+        """What the conductor's routes need."""
+        return {"Authorization": f"Bearer {self.spec.api_key}"} if self.spec.api_key else {}
 
     # -- up -------------------------------------------------------------------------------
     def up(self, timeout_s: float = 300.0, progress=print) -> None:
@@ -114,7 +129,7 @@ class LocalCluster:
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", CLUSTER_KEY_ENV: self.cluster_key})
         self._popen[name] = popen
         proc = self.procs[name] = Proc(name, role, popen.pid, port, url, str(log), argv)
         return proc
@@ -149,6 +164,8 @@ class LocalCluster:
         else:
             members = ["--prefill", ",".join(self.urls("prefill")), "--decode", ",".join(self.urls("decode"))]
         argv = _python_cmd("conductor", "--port", str(port), *members, *self.spec.conductor_args)
+        if self.spec.api_key:
+            argv += ["--api-key", self.spec.api_key]
         proc = self._spawn("conductor", "conductor", argv, port, f"http://127.0.0.1:{port}")
         self._wait_healthy(proc, 120.0, path="/v1/models")
 
@@ -167,7 +184,8 @@ class LocalCluster:
                 tail = Path(p.log).read_text(errors="replace")[-3000:]
                 raise ClusterError(f"{p.name} exited with {popen.returncode}; log {p.log}:\n{tail}")
             try:
-                if httpx.get(p.url + path, timeout=2.0).status_code == 200:
+                headers = self.client_headers if p.role == "conductor" else {}
+                if httpx.get(p.url + path, headers=headers, timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -178,7 +196,7 @@ class LocalCluster:
         """/cluster once every instance is up (or, with up=False, once any is down)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            state = httpx.get(self.conductor_url + "/cluster", timeout=5.0).json()
+            state = httpx.get(self.conductor_url + "/cluster", headers=self.client_headers, timeout=5.0).json()
             flags = [v["up"] for v in state["instances"].values()]
             if (all(flags) if up else not all(flags)) or time.monotonic() > deadline:
                 return state
@@ -204,8 +222,11 @@ class LocalCluster:
 
     # -- state file -----------------------------------------------------------------------
     def write_state(self, path: Path) -> None:
+        """The state file holds the cluster key, so only its owner may read it."""
+        path.touch(mode=0o600)
+        path.chmod(0o600)
         path.write_text(json.dumps({"log_dir": str(self.log_dir), "pool_url": self.pool_url,
-                                    "spec": asdict(self.spec),
+                                    "spec": asdict(self.spec), "cluster_key": self.cluster_key,
                                     "procs": [asdict(p) for p in self.procs.values()]}, indent=2))
 
 

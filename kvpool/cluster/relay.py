@@ -22,13 +22,14 @@ from kvpool.cluster.conductor import Conductor
 from kvpool.cluster.members import Member, MemberPoller
 from kvpool.cluster.records import RouteRequest
 from kvpool.errors import InvalidRequest, KVPoolError, Overloaded
+from kvpool.serve.errors import NoUpstream, UpstreamFailed
 
 
-class InstanceFailed(KVPoolError):
+class InstanceFailed(UpstreamFailed):
     """An instance failed while serving the request (HTTP 502)."""
 
 
-class NoInstance(KVPoolError):
+class NoInstance(NoUpstream):
     """No instance of a needed role is up (HTTP 503)."""
 
 

@@ -1,10 +1,10 @@
-"""The FastAPI app: OpenAI routes under /v1 (behind the API key when one is set), plus health,
-metrics, tokenizer and cache-control routes."""
+"""The FastAPI app: OpenAI routes under /v1, tokenizer and cache-control routes, all behind the
+API key (`kvpool.serve.auth`); `/health` is open, `/metrics` open only with `--metrics-open`.
+No OpenAPI or docs routes (they would describe the server to anyone)."""
 
 from __future__ import annotations
 
 import logging
-import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool.serve.chat import create_chat_completion, render
 from kvpool.serve.completions import create_completion
-from kvpool.serve.errors import Unauthenticated, install_handlers
+from kvpool.serve.errors import install_handlers
+from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, DrainGate
 from kvpool.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,8 +25,11 @@ from kvpool.serve.state import ServerState
 
 logger = logging.getLogger(__name__)
 
+OPEN_ROUTES = frozenset({"/health"})  # plus /metrics with --metrics-open; every other route needs the key
 
-def build_app(state: ServerState, shutdown_timeout_s: float = 30.0) -> FastAPI:
+
+def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """An app around a not-yet-started AsyncEngine; its lifespan starts and drains the engine thread."""
 
     @asynccontextmanager
@@ -33,20 +37,25 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0) -> FastAPI:
         state.engine.start()
         yield
         await state.engine.shutdown(shutdown_timeout_s)
+        state.pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="kvpool", lifespan=lifespan)
+    app = FastAPI(title="kvpool", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvpool = state
     install_handlers(app)
+    keys = state.keys
 
-    def require_key(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), state.api_key):
-            raise Unauthenticated("missing or invalid API key (send Authorization: Bearer <key>)")
+    @app.get("/health")
+    async def health() -> Response:
+        problem = "the server is shutting down" if state.engine.draining else state.engine.health()
+        if problem is None:
+            return Response(status_code=200)
+        return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+    @app.get("/metrics", dependencies=[Depends(keys.metrics)])
+    async def metrics() -> Response:
+        return Response(generate_latest(state.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def models() -> dict:
@@ -62,35 +71,33 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0) -> FastAPI:
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(state, req, raw)
 
-    app.include_router(v1)
+    tools = APIRouter()
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if state.engine.alive else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(state.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/tokenize")
+    @tools.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
         req.check()
         state.check_model(req.model)
         if req.messages is not None:
-            chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-            tokens = render(state, chat)
+            tokens = await state.off_loop(render, state.tokenizer, req.messages, req.add_generation_prompt,
+                                          req.chat_template_kwargs, False)
         else:
-            tokens = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            tokens = await state.off_loop(state.tokenizer.encode, req.prompt,
+                                          add_special_tokens=req.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
 
-    @app.post("/detokenize")
+    @tools.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
+        req.check(state.vocab_size)
         state.check_model(req.model)
-        return {"prompt": state.tokenizer.decode(req.tokens)}
+        return {"prompt": await state.off_loop(state.tokenizer.decode, req.tokens)}
 
-    @app.post("/reset_prefix_cache")
+    @tools.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
         evicted = await state.engine.call(lambda engine: engine.scheduler.kv.reset_prefix_cache())
         return JSONResponse({"evicted_blocks": evicted})
 
+    app.include_router(v1, dependencies=[Depends(keys.api_key)])
+    app.include_router(tools, dependencies=[Depends(keys.api_key)])
+    app.add_middleware(DrainGate, draining=lambda: state.engine.draining, passthrough=frozenset({"/metrics"}))
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     return app

@@ -58,6 +58,13 @@ class _Stop:
 
 
 @dataclass(slots=True)
+class _AbortAll:
+    """End every request in flight with `ShuttingDown` (the drain's deadline passed)."""
+
+    reason: str
+
+
+@dataclass(slots=True)
 class _Route:
     sink: asyncio.Queue
     index: int
@@ -69,6 +76,7 @@ class AsyncEngine:
     metrics: ServerMetrics
     max_queue: int | None = None
     retry_after_s: float = 1.0
+    watchdog_s: float = 60.0  # no step completes for this long while work is pending: unhealthy
     _commands: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _routes: dict[str, _Route] = field(default_factory=dict)  # engine thread only
     _loop: asyncio.AbstractEventLoop | None = None
@@ -76,6 +84,8 @@ class AsyncEngine:
     _started: threading.Event = field(default_factory=threading.Event)
     _draining: bool = False
     _ids: int = 0
+    _busy: bool = False  # the engine thread has work (not asleep on the command queue)
+    _beat: float = field(default_factory=time.monotonic)  # the last time it made progress or went idle
 
     # -- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -97,6 +107,7 @@ class AsyncEngine:
                 built.put(e)
                 return
             this._thread = threading.current_thread()
+            this.metrics.update(engine)  # the KV gauges are right before the first request
             built.put(this)
             this._started.wait()
             this._run()
@@ -116,19 +127,40 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def health(self) -> str | None:
+        """None when healthy, else why not: the engine thread died, or it has had work pending
+        for `watchdog_s` without completing a step (stuck in a step, or spinning without
+        scheduling anything)."""
+        if not self.alive:
+            return "the engine thread is not running"
+        stalled = time.monotonic() - self._beat
+        if self._busy and stalled > self.watchdog_s:
+            return f"the engine made no progress for {stalled:.0f} s with work pending"
+        return None
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     @property
     def num_in_flight(self) -> int:
         """Requests the engine still holds (read from the event loop; a snapshot)."""
         return len(self._routes)
 
-    async def shutdown(self, timeout_s: float) -> None:
-        """Refuse new work, let in-flight requests finish for up to `timeout_s`, abort the rest."""
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new work, let in-flight requests finish for up to `timeout_s`, then end the rest
+        with a ShuttingDown error (a stream gets it as an error event)."""
         self._draining = True
         deadline = time.monotonic() + timeout_s
         while self.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.num_in_flight:
+        if self.num_in_flight and self.alive:
             logger.warning("shutdown: aborting %d request(s) still in flight", self.num_in_flight)
+            await self.call(lambda _: None, _AbortAll("the server shut down before this request finished"))
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Drain (see `drain`), then stop the engine thread."""
+        await self.drain(timeout_s)
         self._commands.put(_Stop())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
@@ -187,21 +219,28 @@ class AsyncEngine:
             if unfinished:
                 self._commands.put(_Abort([ids[i] for i in unfinished]))
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[Any], Any], before: _AbortAll | None = None) -> Any:
         """Run `fn(engine)` between two steps (e.g. reset the prefix cache)."""
         done = asyncio.get_running_loop().create_future()
+        if before is not None:
+            self._commands.put(before)
         self._commands.put(_Call(fn, done))
         return await done
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        idle_step = False
         while True:
-            block = not engine.has_unfinished()
-            try:
-                commands = [self._commands.get(block=block)]
+            pending = engine.has_unfinished()
+            if not pending:
+                self._busy = False
+                self._beat = time.monotonic()
+            try:  # a step that scheduled nothing (e.g. waiting on KV loads) waits a little, not spins
+                commands = [self._commands.get(block=not pending or idle_step, timeout=0.005 if pending else None)]
             except queue.Empty:
                 commands = []
+            self._busy = True
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -209,17 +248,26 @@ class AsyncEngine:
                     break
             for cmd in commands:
                 if isinstance(cmd, _Stop):
-                    self._abort_all("the server is shutting down")
+                    self._abort_all("the server is shutting down", ShuttingDown)
                     self.metrics.update(engine)
                     engine.close()  # finishes pending KV store writes
                     return
                 self._apply(cmd)
+            idle_step = False
             if engine.has_unfinished():
-                self._step()
+                steps = getattr(engine, "num_steps", None)
+                produced = self._step()
+                if produced or getattr(engine, "num_steps", None) != steps:
+                    self._beat = time.monotonic()
+                else:
+                    idle_step = True
             self.metrics.update(engine)
 
-    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call | _AbortAll) -> None:
         engine = self.engine
+        if isinstance(cmd, _AbortAll):
+            self._abort_all(cmd.reason, ShuttingDown)
+            return
         if isinstance(cmd, _Abort):
             for rid in cmd.request_ids:
                 if self._routes.pop(rid, None) is not None and engine.abort(rid):
@@ -230,6 +278,7 @@ class AsyncEngine:
                 self._resolve(cmd.done, cmd.fn(engine), None)
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 self._resolve(cmd.done, None, e)
+            self._beat = time.monotonic()
             return
         waiting = len(engine.scheduler.waiting)
         if self.max_queue is not None and waiting + len(cmd.request_ids) > self.max_queue:
@@ -254,13 +303,14 @@ class AsyncEngine:
             self._routes[rid] = _Route(cmd.sink, i)
         self._resolve(cmd.accepted, True, None)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; True if it produced outputs."""
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the server up
             logger.exception("engine step failed; aborting every request in flight")
             self._abort_all(f"engine error: {e}")
-            return
+            return True
         batch = []
         for out in outputs:
             route = self._routes.get(out.request_id)
@@ -272,13 +322,14 @@ class AsyncEngine:
                 self.metrics.observe_finished(out)
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)
+        return bool(outputs)
 
-    def _abort_all(self, reason: str) -> None:
+    def _abort_all(self, reason: str, error: type[KVPoolError] = KVPoolError) -> None:
         batch = []
         for rid, route in self._routes.items():
             self.engine.abort(rid)
             self.metrics.aborted.inc()
-            batch.append((route.sink, KVPoolError(reason)))
+            batch.append((route.sink, error(reason)))
         self._routes.clear()
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)

@@ -10,7 +10,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from kvpool.engine.outputs import RequestOutput
-from kvpool.serve.protocol import ChatCompletionRequest
+from kvpool.errors import InvalidRequest
+from kvpool.serve.auth import request_salt
+from kvpool.serve.protocol import ChatCompletionRequest, ChatMessage
 from kvpool.serve.responses import (
     Cursor,
     chat_logprobs,
@@ -23,24 +25,38 @@ from kvpool.serve.responses import (
 from kvpool.serve.state import ServerState
 
 
-def render(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    messages = [m.as_template_input() for m in req.messages]
-    text = state.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
-    return state.tokenizer.encode(text, add_special_tokens=False)
+def render(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
+           template_kwargs: dict[str, Any] | None, add_special_tokens: bool) -> list[int]:
+    """Token ids of the messages through the model's chat template (blocking: run it off the loop)."""
+    inputs = [m.as_template_input() for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(inputs, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
+    except InvalidRequest:
+        raise
+    except Exception as e:  # noqa: BLE001 - the template runs on client data: its failure is a bad request
+        raise InvalidRequest(f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                             param="messages") from e
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def render_request(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    return render(tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                  req.add_special_tokens)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     arrival = time.monotonic()
-    req.check()
+    req.check(state.vocab_size)
     state.check_model(req.model)
-    ids = render(state, req)
+    ids = await state.off_loop(render_request, state.tokenizer, req)
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = state.default_max_tokens(len(ids), req.n)
     params = req.sampling_params(max_tokens, req.num_logprobs)
     rid = state.engine.new_request_id("chatcmpl")
-    stream = await state.engine.submit(rid, [ids], params, arrival, req.cache_salt)
+    salt = request_salt(raw, req.cache_salt, req.cache_scope)
+    stream = await state.engine.submit(rid, [ids], params, arrival, salt)
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if req.stream:
         chunks = _chunks(state, req, head, stream, holdback_for(params.stop))

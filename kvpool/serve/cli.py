@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
+import time
 
 import uvicorn
 
 from kvpool.engine.config import add_engine_args, engine_config_from_args
 from kvpool.errors import ConfigError
+from kvpool.serve.auth import add_auth_arguments, keyring_from_args
+from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES
+from kvpool.sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -19,15 +24,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1 routes")
+    add_auth_arguments(group)
     group.add_argument("--served-model-name", default=None, help="the model id clients use (default: the engine's)")
     group.add_argument("--max-queue", type=int, default=1024,
                        help="most requests allowed to wait for admission; beyond it new ones get 429")
+    group.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
+                       help="largest request body accepted (e.g. 4MiB); larger ones get 413 (default: 4 MiB)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    group.add_argument("--watchdog-timeout", type=float, default=60.0,
+                       help="/health turns 503 when the engine completes no step for this many seconds "
+                            "while work is pending")
     group.add_argument("--role", choices=("prefill", "decode", "both"), default=None,
                        help="serve as a cluster member for `kvpool conductor`: publish KV events and load "
                             "on /internal routes (default: standalone)")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM / SIGINT drains before it stops: the listener stays
+    open and answers 503 to new requests, in-flight ones get `drain_s` to finish, the rest end
+    with an error (an error event then `data: [DONE]` for a stream); then uvicorn shuts down.
+    A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, engine, drain_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.drain_s = engine, drain_s
+        self._signalled = False
+        self._drain: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._signalled:
+            super().handle_exit(sig, frame)
+            return
+        self._signalled = True
+        self._captured_signals.append(sig)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._signalled and self._drain is None:
+            self._drain = asyncio.create_task(self._drain_then_exit())
+        return await super().on_tick(counter)
+
+    async def _drain_then_exit(self) -> None:
+        logger.info("draining: new requests get 503; %d in flight", self.engine.num_in_flight)
+        await self.engine.drain(self.drain_s)
+        deadline = time.monotonic() + 5.0  # let the last responses (error events) reach their clients
+        while self.server_state.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.should_exit = True
 
 
 def main(args: argparse.Namespace) -> int:
@@ -41,6 +84,14 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.watchdog_timeout <= 0:
+        raise ConfigError(f"--watchdog-timeout must be > 0, got {args.watchdog_timeout}")
+    max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
+    if max_request_bytes < 1024:
+        raise ConfigError(f"--max-request-bytes must be at least 1KiB, got {args.max_request_bytes}")
+    keys = keyring_from_args(args)
+    if keys.open and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     if args.role:
         args.publish_kv_events = True  # the conductor drains them through /internal/state
     config = engine_config_from_args(args)
@@ -50,7 +101,8 @@ def main(args: argparse.Namespace) -> int:
         metrics.watch_store(engine)
         return metrics
 
-    async_engine = AsyncEngine.launch(lambda: Engine(config), make_metrics, max_queue=args.max_queue)
+    async_engine = AsyncEngine.launch(lambda: Engine(config), make_metrics, max_queue=args.max_queue,
+                                      watchdog_s=args.watchdog_timeout)
     engine = async_engine.engine
     name = args.served_model_name or engine.loaded.name
     sched_cfg = engine.scheduler.config
@@ -58,19 +110,19 @@ def main(args: argparse.Namespace) -> int:
         engine=async_engine,
         tokenizer=engine.tokenizer, model_name=name, aliases=frozenset({engine.loaded.name}),
         max_model_len=engine.max_model_len, kv_capacity_tokens=sched_cfg.num_blocks * sched_cfg.block_size,
-        api_key=args.api_key,
+        vocab_size=engine.loaded.config.vocab_size, keys=keys,
     )
-    app = build_app(state, args.shutdown_timeout)
+    app = build_app(state, args.shutdown_timeout, max_request_bytes)
     if args.role:
         from kvpool.serve.internal import build_internal_router
 
         app.include_router(build_internal_router(state, args.role, args.kv_remote))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=5, access_log=False)
+    server = DrainingServer(config, async_engine, args.shutdown_timeout)
     # uvicorn re-raises the signal it caught once it has drained; a no-op handler makes that a clean exit
     signal.signal(signal.SIGTERM, lambda *_: None)
-    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    auth = " -H \"Authorization: Bearer $KVPOOL_API_KEY\"" if not keys.open else ""
     url = f"http://{args.host}:{args.port}"
     print(f"kvpool serving {name!r} on {url}\n  curl {url}/v1/completions -H 'Content-Type: application/json'"
           f"{auth} -d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)

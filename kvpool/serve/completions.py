@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from kvpool.engine.outputs import RequestOutput
+from kvpool.serve.auth import request_salt
 from kvpool.serve.protocol import CompletionRequest
 from kvpool.serve.responses import (
     Cursor,
@@ -25,18 +26,18 @@ from kvpool.serve.state import ServerState
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     arrival = time.monotonic()
-    req.check()
+    req.check(state.vocab_size)
     state.check_model(req.model)
     tok = state.tokenizer
     prompts = req.prompt_list()
-    ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
-    texts = [p if isinstance(p, str) else (tok.decode(p) if req.echo else "") for p in prompts]
+    ids, texts = await state.off_loop(_encode, tok, prompts, req.echo, req.add_special_tokens)
     max_tokens = req.max_tokens
     if max_tokens is None:
         max_tokens = state.default_max_tokens(max(len(p) for p in ids), req.n)
     params = req.sampling_params(max_tokens, req.logprobs)
     rid = state.engine.new_request_id("cmpl")
-    stream = await state.engine.submit(rid, ids, params, arrival, req.cache_salt)
+    salt = request_salt(raw, req.cache_salt, req.cache_scope)
+    stream = await state.engine.submit(rid, ids, params, arrival, salt)
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if req.stream:
         chunks = _chunks(state, req, head, stream, texts, holdback_for(params.stop))
@@ -53,6 +54,14 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             })
     choices.sort(key=lambda ch: ch["index"])
     return JSONResponse({**head, "object": "text_completion", "choices": choices, "usage": usage(outputs)})
+
+
+def _encode(tok, prompts: list[str | list[int]], echo: bool, add_special_tokens: bool,
+            ) -> tuple[list[list[int]], list[str]]:
+    """Token ids of every prompt, and the text `echo` shows (blocking: run it off the loop)."""
+    ids = [tok.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p for p in prompts]
+    texts = [p if isinstance(p, str) else (tok.decode(p) if echo else "") for p in prompts]
+    return ids, texts
 
 
 async def _chunks(

@@ -27,13 +27,28 @@ class ShuttingDown(Overloaded):
     """The server is draining for shutdown and takes no new requests."""
 
 
+class RequestTooLarge(InvalidRequest):
+    """The request body is larger than --max-request-bytes."""
+
+
+class UpstreamFailed(KVPoolError):
+    """A server this one relays to failed while serving the request (the conductor's instances)."""
+
+
+class NoUpstream(KVPoolError):
+    """No server this one relays to can take the request now."""
+
+
 # most specific first: (exception type, HTTP status, OpenAI error type, code)
 _TABLE: list[tuple[type[Exception], int, str, str | None]] = [
     (ModelNotFound, 404, "not_found_error", "model_not_found"),
+    (RequestTooLarge, 413, "invalid_request_error", "request_too_large"),
     (Unauthenticated, 401, "authentication_error", "invalid_api_key"),
     (ShuttingDown, 503, "service_unavailable", "shutting_down"),
     (Overloaded, 429, "rate_limit_error", "server_overloaded"),
     (InvalidRequest, 400, "invalid_request_error", None),
+    (UpstreamFailed, 502, "upstream_error", "instance_failed"),
+    (NoUpstream, 503, "service_unavailable", "no_instance"),
     (KVPoolError, 500, "internal_error", None),
 ]
 
@@ -49,6 +64,8 @@ def classify(exc: Exception) -> tuple[int, dict, dict[str, str]]:
             headers = {}
             if isinstance(exc, Overloaded):
                 headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+            if isinstance(exc, NoUpstream):
+                headers["Retry-After"] = "1"
             if isinstance(exc, Unauthenticated):
                 headers["WWW-Authenticate"] = "Bearer"
             return status, error_body(str(exc), type_, getattr(exc, "param", None), code), headers
@@ -63,8 +80,9 @@ def error_response(exc: Exception) -> JSONResponse:
 
 
 def _validation_param(err: dict) -> str | None:
+    """The top-level field (the part of `loc` a client can act on; the rest names union arms)."""
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    return ".".join(loc) or None
+    return loc[0] if loc else None
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -78,7 +96,8 @@ def install_handlers(app: FastAPI) -> None:
             message = f"request body is not valid JSON: {first.get('msg', '')}"
             param = None
         else:
-            message = "; ".join(f"{_validation_param(e) or 'body'}: {e.get('msg', '')}" for e in errors)
+            message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
+                                f"{e.get('msg', '')}" for e in errors[:5])
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -5,6 +5,10 @@ registered / evicted in its device cache) after cursor N, as JSON with hex hashe
 the log no longer covers (a new conductor, or one that fell behind) gets a snapshot of every
 block held instead. `POST /internal/generate` runs one token-id prompt and streams NDJSON
 lines with the new token ids and text, which is what a prefill/decode split needs.
+
+Both need the cluster key (`--cluster-key`, which the conductor sends); without one they need an
+API key like every other route. The conductor has already scoped `cache_salt` to the tenant, so
+/internal/generate uses it as given.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from kvpool.errors import InvalidRequest, Overloaded
@@ -67,7 +71,7 @@ def build_internal_router(state: ServerState, role: str, kv_remote: str | None) 
     """The /internal routes; `kv_remote` tells the conductor whether blocks also go to a pool."""
     if role not in ROLES:
         raise InvalidRequest(f"role must be one of {ROLES}, got {role!r}", param="role")
-    router = APIRouter(prefix="/internal")
+    router = APIRouter(prefix="/internal", dependencies=[Depends(state.keys.cluster_key)])
     log = KVEventLog()
     boot_id = uuid.uuid4().hex
 
@@ -86,12 +90,12 @@ def build_internal_router(state: ServerState, role: str, kv_remote: str | None) 
 
     @router.post("/generate")
     async def generate(req: CompletionRequest, raw: Request) -> StreamingResponse:
+        req.check(state.vocab_size)
         prompt = req.prompt_list()
         if len(prompt) != 1 or not isinstance(prompt[0], list) or req.n != 1 or req.use_beam_search:
             raise InvalidRequest("/internal/generate takes one token-id prompt, n=1, no beam search")
         if req.max_tokens is None:
             raise InvalidRequest("/internal/generate needs max_tokens", param="max_tokens")
-        req.check()
         params = req.sampling_params(req.max_tokens, None)
         if role == "decode" and not await state.engine.call(
                 lambda e: e.decode_accepts(len(prompt[0]), params.max_tokens)):

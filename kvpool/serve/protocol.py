@@ -1,22 +1,76 @@
-"""Request bodies of the OpenAI-compatible API, validated by pydantic.
+"""Request bodies of the OpenAI-compatible API, validated completely before anything reaches
+the engine.
 
-Unknown fields are refused (extra="forbid") so a misspelt sampling parameter is a 400 rather
-than silently ignored. OpenAI fields kvpool does not implement are accepted only at their
-neutral value.
+Types are strict (no bool as an int, no string as a number, finite floats only); `check()`
+adds what types cannot say: ranges of ids and seeds, no lone surrogates, chat-template
+kwargs that may not override the template's own inputs. Fields kvpool does not know are
+accepted and ignored (logged once per name per process, as vLLM does); fields it knows but
+does not implement are refused unless neutral (`kvpool.serve.unsupported`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
+from kvpool.serve.unsupported import refuse_unsupported
+
+logger = logging.getLogger(__name__)
+
+SEED_LIMIT = 2**64  # seeds are torch generator seeds: 0 <= seed + sample index < 2**64
+# what a chat template receives from kvpool itself; `chat_template_kwargs` may not replace it
+TEMPLATE_INPUTS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents",
+                             "continue_final_message", "chat_template", "tokenize", "conversation"})
+_MAX_LOGGED_NAMES = 256  # a client inventing field names cannot grow the set (or the log) without bound
+_logged_names: set[str] = set()
+
+
+def note_ignored(names: list[str]) -> None:
+    """One log line per ignored field name per process."""
+    for name in names:
+        if name in _logged_names or len(_logged_names) >= _MAX_LOGGED_NAMES:
+            continue
+        _logged_names.add(name)
+        logger.info("ignoring request field %s (kvpool does not act on it)", ascii(name[:64]))
+
+
+def check_text(value: Any, param: str) -> None:
+    """Every string in a JSON value must be valid Unicode (a lone surrogate cannot be tokenized)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(f"{param} contains a lone surrogate (an invalid \\u escape)",
+                                     param=param) from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(x for x in v if not isinstance(x, int))
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
+    if vocab_size is None:
+        return
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(f"{param}: token id {t} is outside the vocabulary (0..{vocab_size - 1})",
+                                 param=param)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    def check_strings(self) -> None:
+        for name, value in self.model_dump().items():  # extras included
+            check_text(value, name)
 
 
 class StreamOptions(_Body):
@@ -43,26 +97,24 @@ class _Sampling(_Body):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     cache_salt: str | None = None
+    # kvpool: "shared" opts into the prefix cache shared by every tenant (see docs/serving.md)
+    cache_scope: Literal["tenant", "shared"] = "tenant"
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    # OpenAI fields without a kvpool implementation: accepted only when they change nothing
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's extension; `vllm bench serve` always sends 1.0
-    logit_bias: dict[str, float] | None = None
 
-    def check(self) -> None:
-        """Semantic checks that pydantic's types cannot express; raise InvalidRequest with the param."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) != 0.0:
-                raise InvalidRequest(f"{name} is not supported (must be 0)", param=name)
-        if self.repetition_penalty != 1.0:
-            raise InvalidRequest("repetition_penalty is not supported (must be 1)", param="repetition_penalty")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+    def check(self, vocab_size: int | None = None) -> None:
+        """Everything types cannot express; raises InvalidRequest naming the param. Also logs
+        the ignored fields and refuses the unsupported ones."""
+        extra = dict(self.model_extra or {})
+        refuse_unsupported(extra, self.n)
+        note_ignored(sorted(extra))
+        self.check_strings()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true", param="stream_options")
+        if self.seed is not None and not (self.seed >= 0 and self.seed + max(1, self.n) - 1 < SEED_LIMIT):
+            raise InvalidRequest(f"seed must be in 0..2**64-n ({SEED_LIMIT - max(1, self.n)} for n={self.n}), "
+                                 f"got {self.seed}", param="seed")
+        check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.use_beam_search and self.stream:
@@ -88,33 +140,33 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    add_special_tokens: bool = True
 
-    def check(self) -> None:
-        super().check()
-        if self.best_of not in (None, self.n):
-            raise InvalidRequest("best_of is not supported (use n or use_beam_search)", param="best_of")
-        if self.suffix:
-            raise InvalidRequest("suffix is not supported", param="suffix")
+    def check(self, vocab_size: int | None = None) -> None:
+        super().check(vocab_size)
         if self.echo and self.logprobs is not None:
             raise InvalidRequest("echo with logprobs needs prompt logprobs, which kvpool does not compute",
                                  param="echo")
-        if isinstance(self.prompt, list) and not self.prompt:
+        prompts = self.prompt_list()
+        if not prompts or any(not p for p in prompts):
             raise InvalidRequest("prompt is empty", param="prompt")
+        for p in prompts:
+            if isinstance(p, list):
+                check_token_ids(p, vocab_size, "prompt")
 
     def prompt_list(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
+        if not p:
+            return []
         if isinstance(p[0], int):
             return [list(p)]
         return list(p)
 
 
 class ChatMessage(_Body):
-    model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -137,12 +189,14 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check(self) -> None:
-        super().check()
+    def check(self, vocab_size: int | None = None) -> None:
+        super().check(vocab_size)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+        check_template_kwargs(self.chat_template_kwargs)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -153,18 +207,34 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    clash = sorted(set(kwargs or {}) & TEMPLATE_INPUTS)
+    if clash:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(clash)} (kvpool passes them itself)",
+                             param="chat_template_kwargs")
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
+        note_ignored(sorted(self.model_extra or {}))
+        self.check_strings()
+        check_template_kwargs(self.chat_template_kwargs)
 
 
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+    def check(self, vocab_size: int | None) -> None:
+        note_ignored(sorted(self.model_extra or {}))
+        self.check_strings()
+        check_token_ids(self.tokens, vocab_size, "tokens")

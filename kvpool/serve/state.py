@@ -1,13 +1,30 @@
-"""What every route needs: the async engine, the tokenizer, the served name and the limits."""
+"""What every route needs: the async engine, the tokenizer, the served name, the keys and the limits."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpool.serve.async_engine import AsyncEngine
+from kvpool.serve.auth import KeyRing
 from kvpool.serve.errors import ModelNotFound
+
+T = TypeVar("T")
+
+
+def tokenizer_pool() -> ThreadPoolExecutor:
+    """Tokenization and chat-template rendering run here, off the event loop, so a big prompt
+    does not stall other clients (the tokenizer releases the GIL while it encodes)."""
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-tokenize")
+
+
+async def off_loop(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
 
 @dataclass(slots=True)
@@ -18,8 +35,10 @@ class ServerState:
     aliases: frozenset[str]  # other names accepted for the model (e.g. the engine's own id)
     max_model_len: int
     kv_capacity_tokens: int  # the whole device pool, in tokens
-    api_key: str | None = None
+    vocab_size: int | None = None  # the model's (token ids must be below it); None: not checked here
+    keys: KeyRing = field(default_factory=KeyRing)
     created: int = field(default_factory=lambda: int(time.time()))
+    pool: ThreadPoolExecutor = field(default_factory=tokenizer_pool)
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name and model not in self.aliases:
@@ -30,3 +49,6 @@ class ServerState:
         """The rest of the context: what fits in the model's window and in the KV pool for n samples."""
         room = min(self.max_model_len, self.kv_capacity_tokens // max(1, n)) - prompt_len
         return max(1, room)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await off_loop(self.pool, fn, *args, **kwargs)

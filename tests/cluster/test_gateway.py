@@ -18,6 +18,8 @@ from kvpool.sched.sampling_params import SamplingParams
 from kvpool.store.services import ServiceError
 
 INSTANCE_ARGS = ["--num-blocks", "256", "--max-model-len", "1024", "--threads", "1"]
+API_KEY = "conductor-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 DOC = " ".join(f"Section {i}: the harbour ledger lists {i * 7} crates of tea, {i * 3} bales of wool "
                f"and {i + 2} casks of wine." for i in range(14))
 QUESTIONS = ["How many crates are listed?", "What is in section 3?", "Summarise the ledger.",
@@ -29,7 +31,7 @@ DISTINCT = ["The capital of France is", "Write a haiku about rain:", "def fibona
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     spec = ClusterSpec(prefill=2, decode=2, pool="redis", instance_args=INSTANCE_ARGS,
-                       conductor_args=["--policy", "kv-centric"],
+                       conductor_args=["--policy", "kv-centric"], api_key=API_KEY,
                        log_dir=str(tmp_path_factory.mktemp("cluster")))
     c = LocalCluster(spec)
     try:
@@ -47,7 +49,7 @@ def reference() -> LLM:
 
 
 def _client(cluster: LocalCluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=cluster.conductor_url + "/v1", api_key="unused", max_retries=0)
+    return openai.AsyncOpenAI(base_url=cluster.conductor_url + "/v1", api_key=API_KEY, max_retries=0)
 
 
 async def _complete(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, stream: bool, **extra) -> str:
@@ -66,7 +68,8 @@ def _wait_idle(cluster: LocalCluster, timeout_s: float = 30.0) -> dict:
     """Each instance's /internal/state load once nothing runs or waits and every block is free."""
     deadline = time.monotonic() + timeout_s
     while True:
-        loads = {u: httpx.get(u + "/internal/state", params={"since": 1 << 60}).json()["load"]
+        loads = {u: httpx.get(u + "/internal/state", params={"since": 1 << 60},
+                              headers=cluster.cluster_headers).json()["load"]
                  for role in ("prefill", "decode") for u in cluster.urls(role)}
         idle = all(x["running"] == 0 and x["waiting"] == 0 and x["free_kv_blocks"] == x["total_kv_blocks"]
                    for x in loads.values())
@@ -90,11 +93,11 @@ def test_mixed_workload_matches_a_single_engine_and_leaks_nothing(cluster: Local
     for url, load in loads.items():
         assert load["running"] == 0 and load["waiting"] == 0, (url, load)
         assert load["free_kv_blocks"] == load["total_kv_blocks"], (url, load)
-    state = httpx.get(cluster.conductor_url + "/cluster").json()
+    state = httpx.get(cluster.conductor_url + "/cluster", headers=AUTH).json()
     assert state["in_flight"] == 0
     assert state["gateway"]["completed"] >= len(prompts)
     assert state["pool_blocks"] > 0  # the pool holds the shared document's blocks
-    metrics = httpx.get(cluster.conductor_url + "/metrics").text
+    metrics = httpx.get(cluster.conductor_url + "/metrics", headers=AUTH).text
     assert 'kvpool_conductor:instance_up{instance="d1",role="decode"} 1.0' in metrics
 
 
@@ -108,7 +111,7 @@ def test_a_burst_on_one_document_replicates_its_blocks(cluster: LocalCluster) ->
     asyncio.run(burst())
     deadline = time.monotonic() + 10
     while True:
-        match = httpx.post(cluster.conductor_url + "/cluster/match", json={"prompt": doc}).json()
+        match = httpx.post(cluster.conductor_url + "/cluster/match", json={"prompt": doc}, headers=AUTH).json()
         prefill_holders = [i for i, n in match["holders"].items() if i in ("p0", "p1") and n > 0]
         if len(prefill_holders) > 1 or time.monotonic() > deadline:
             break
@@ -117,10 +120,27 @@ def test_a_burst_on_one_document_replicates_its_blocks(cluster: LocalCluster) ->
 
 
 def test_rejects_what_it_cannot_serve_in_openai_shape(cluster: LocalCluster) -> None:
-    r = httpx.post(cluster.conductor_url + "/v1/completions", json={"prompt": "hi", "n": 2})
+    r = httpx.post(cluster.conductor_url + "/v1/completions", json={"prompt": "hi", "n": 2}, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    r = httpx.post(cluster.conductor_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5000})
+    r = httpx.post(cluster.conductor_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5000},
+                   headers=AUTH)
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    r = httpx.post(cluster.conductor_url + "/v1/completions", json={"prompt": "hi", "seed": 2**70}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+def test_the_conductor_and_the_instances_internal_routes_need_their_keys(cluster: LocalCluster) -> None:
+    for path in ("/cluster", "/metrics", "/v1/models"):
+        assert httpx.get(cluster.conductor_url + path).status_code == 401, path
+        assert httpx.get(cluster.conductor_url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(cluster.conductor_url + "/cluster/match", json={"prompt": "hi"}).status_code == 401
+    assert httpx.get(cluster.conductor_url + "/health").status_code == 200
+    url = cluster.urls("prefill")[0]
+    for headers in ({}, AUTH):  # the conductor's client key does not open an instance's /internal routes
+        assert httpx.get(url + "/internal/state", headers=headers).status_code == 401
+        assert httpx.post(url + "/internal/generate", headers=headers,
+                          json={"prompt": [1, 2], "max_tokens": 1}).status_code == 401
+    assert httpx.get(url + "/internal/state", headers=cluster.cluster_headers).status_code == 200
 
 
 def test_a_killed_decode_instance_fails_its_requests_and_the_cluster_keeps_serving(
@@ -132,7 +152,7 @@ def test_a_killed_decode_instance_fails_its_requests_and_the_cluster_keeps_servi
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # kill d0 once it is decoding something
             load = httpx.get(cluster.procs["decode0"].url + "/internal/state",
-                             params={"since": 1 << 60}).json()["load"]
+                             params={"since": 1 << 60}, headers=cluster.cluster_headers).json()["load"]
             if load["running"]:
                 break
             await asyncio.sleep(0.05)

@@ -20,6 +20,10 @@ import pytest
 SERVER_ARGS = ["--num-blocks", "256", "--max-model-len", "1024", "--max-num-seqs", "64"]
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+OTHER_KEY = "other-tenant-key"  # a second tenant of the session server
+OTHER_AUTH = {"Authorization": f"Bearer {OTHER_KEY}"}
+SERVER_CLUSTER_KEY = "test-cluster-key"
+MAX_REQUEST_BYTES = 256 * 1024
 
 
 def free_port() -> int:
@@ -33,6 +37,8 @@ class Server:
     proc: subprocess.Popen
     url: str
     log: Path
+    headers: dict[str, str]  # what /metrics needs
+    initial_metrics: dict[str, float] | None = None  # /metrics as soon as /health said 200
 
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -46,7 +52,9 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled view of /metrics: sample name -> value (labels dropped)."""
-        text = httpx.get(f"{self.url}/metrics").text
+        r = httpx.get(f"{self.url}/metrics", headers=self.headers)
+        assert r.status_code == 200, r.text
+        text = r.text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -55,19 +63,20 @@ class Server:
         return out
 
 
-def start_server(*extra: str, startup_timeout_s: float = 180.0) -> Server:
+def start_server(*extra: str, startup_timeout_s: float = 600.0, headers: dict[str, str] | None = None) -> Server:
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="kvpool-serve-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--port", str(port), *SERVER_ARGS, *extra]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    server = Server(proc, f"http://127.0.0.1:{port}", log, headers or {})
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
+                server.initial_metrics = server.metrics()
                 return server
         except httpx.TransportError:
             pass
@@ -78,7 +87,8 @@ def start_server(*extra: str, startup_timeout_s: float = 180.0) -> Server:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
-    s = start_server("--api-key", API_KEY)
+    s = start_server("--api-key", API_KEY, "--api-key", OTHER_KEY, "--role", "both", "--cluster-key",
+                     SERVER_CLUSTER_KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES), headers=AUTH)
     yield s
     assert s.stop() == 0, s.log.read_text()
 
@@ -97,3 +107,41 @@ def wait_idle(server: Server, timeout_s: float = 30.0) -> dict[str, float]:
         if idle and m["kvpool:kv_blocks_free"] == m["kvpool:kv_blocks_total"] or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
+
+
+# -- the app in-process (fuzzing, route tables): a real engine, no subprocess -------------------
+KEYS = ("tenant-a-key", "tenant-b-key")
+CLUSTER_KEY = "cluster-key"
+
+
+def build_inprocess_app(**server_kwargs):
+    """The server's app around a real engine on the bundled model, as `kvpool serve --role both`
+    with two API keys and a cluster key builds it."""
+    from kvpool.engine.config import EngineConfig
+    from kvpool.engine.engine import Engine
+    from kvpool.serve.app import build_app
+    from kvpool.serve.async_engine import AsyncEngine
+    from kvpool.serve.auth import KeyRing
+    from kvpool.serve.internal import build_internal_router
+    from kvpool.serve.metrics import ServerMetrics
+    from kvpool.serve.state import ServerState
+
+    config = EngineConfig(num_blocks=128, max_model_len=512, max_num_seqs=32, publish_kv_events=True, threads=1)
+    engine = AsyncEngine.launch(lambda: Engine(config), lambda e: ServerMetrics(e.loaded.name), watchdog_s=60.0)
+    e = engine.engine
+    state = ServerState(engine=engine, tokenizer=e.tokenizer, model_name=e.loaded.name, aliases=frozenset(),
+                        max_model_len=e.max_model_len, kv_capacity_tokens=128 * 16,
+                        vocab_size=e.loaded.config.vocab_size, keys=KeyRing.build(KEYS, CLUSTER_KEY))
+    app = build_app(state, shutdown_timeout_s=5.0, **server_kwargs)
+    app.include_router(build_internal_router(state, "both", None))
+    return app, state
+
+
+@pytest.fixture(scope="session")
+def inprocess():
+    """(TestClient, ServerState) of one in-process app, shared by the session."""
+    from starlette.testclient import TestClient
+
+    app, state = build_inprocess_app()
+    with TestClient(app) as client:
+        yield client, state

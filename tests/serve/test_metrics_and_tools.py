@@ -31,15 +31,15 @@ def test_metrics_expose_every_series_and_count_tokens(server, model_id):
 
 def test_tokenize_detokenize_round_trip(server):
     text = "Paged attention stores KV in blocks."
-    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    tokens = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"prompt": text, "add_special_tokens": False}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 3
-    back = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    back = httpx.post(f"{server.url}/detokenize", headers=AUTH, json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert back == text
 
 
 def test_tokenize_messages_uses_the_chat_template(server):
-    r = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
-    plain = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}).json()
+    r = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    plain = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"prompt": "hi"}).json()
     assert r["count"] > plain["count"]
 
 
@@ -47,7 +47,7 @@ def test_reset_prefix_cache_empties_cached_blocks(server, model_id):
     httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60,
                json={"model": model_id, "prompt": "cache me " * 40, "max_tokens": 1})
     wait_idle(server)
-    r = httpx.post(f"{server.url}/reset_prefix_cache")
+    r = httpx.post(f"{server.url}/reset_prefix_cache", headers=AUTH)
     assert r.status_code == 200 and r.json()["evicted_blocks"] >= 1
     assert server.metrics()["kvpool:kv_blocks_cached"] == 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from conftest import AUTH
 
 PROMPT = "The capital of France is"
 
@@ -24,7 +25,7 @@ def test_completion_has_openai_shape_and_exact_length(client, model_id, server):
     assert r.object == "text_completion" and r.model == model_id and r.id
     assert r.choices[0].finish_reason == "length" and r.choices[0].text
     assert r.usage.completion_tokens == 7
-    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    tokens = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"prompt": PROMPT}).json()["tokens"]
     assert r.usage.prompt_tokens == len(tokens)
 
 
@@ -39,8 +40,8 @@ def test_greedy_completion_matches_offline_llm(client, model_id):
 
 
 def test_token_id_prompts_and_batches_give_one_choice_per_prompt_and_sample(client, model_id, server):
-    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-    other = httpx.post(f"{server.url}/tokenize", json={"prompt": "Once upon a time"}).json()["tokens"]
+    tokens = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"prompt": PROMPT}).json()["tokens"]
+    other = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"prompt": "Once upon a time"}).json()["tokens"]
     r = client.completions.create(model=model_id, prompt=[tokens, other], n=2,
                                   max_tokens=4, temperature=0.8, seed=3, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]

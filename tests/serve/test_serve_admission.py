@@ -1,11 +1,14 @@
-"""A second small server with --max-queue 1: overload is a 429 with Retry-After, and SIGTERM
-drains in-flight work and exits 0."""
+"""A second small server with --max-queue 1: overload is a 429 with Retry-After; SIGTERM keeps
+the listener open answering 503, lets a short stream finish, ends a long one at
+--shutdown-timeout with an error event and [DONE], and exits 0 (#13 item 11)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -14,7 +17,7 @@ from conftest import start_server
 
 @pytest.fixture(scope="module")
 def small_server():
-    s = start_server("--max-queue", "1", "--max-num-seqs", "2", "--shutdown-timeout", "60")
+    s = start_server("--max-queue", "1", "--max-num-seqs", "2", "--shutdown-timeout", "8")
     yield s
     s.stop()
 
@@ -38,23 +41,37 @@ def test_burst_beyond_the_queue_limit_gets_429_with_retry_after(small_server):
     assert small_server.metrics()["kvpool:request_rejected_total"] == codes.count(429)
 
 
-def test_sigterm_lets_the_in_flight_stream_finish_then_exits_zero(small_server):
-    body = {"prompt": "Drain me.", "max_tokens": 24, "ignore_eos": True, "stream": True}
-    chunks: list[str] = []
-    started = threading.Event()
+def _stream(url: str, max_tokens: int, chunks: list[str], started: threading.Event) -> None:
+    body = {"prompt": "Drain me.", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line)
+                started.set()
 
-    def stream() -> None:
-        with httpx.stream("POST", f"{small_server.url}/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    chunks.append(line)
-                    started.set()
 
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(60)
+def test_sigterm_drains_with_503_then_cuts_what_is_left_with_an_error_event(small_server):
+    short: list[str] = []
+    long: list[str] = []  # 1000 tokens take far longer than the 8 s drain on any CPU
+    events = [threading.Event(), threading.Event()]
+    threads = [threading.Thread(target=_stream, args=(small_server.url, n, out, e))
+               for n, out, e in ((24, short, events[0]), (1000, long, events[1]))]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in events)
     small_server.proc.send_signal(signal.SIGTERM)
-    t.join(120)
+    deadline = time.monotonic() + 10
+    while True:  # the listener stays open: a new request gets an answer, 503 once draining began
+        r = httpx.post(f"{small_server.url}/v1/completions", json={"prompt": "late", "max_tokens": 1}, timeout=30)
+        if r.status_code == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert httpx.get(f"{small_server.url}/health").status_code == 503
+    for t in threads:
+        t.join(120)
     assert small_server.proc.wait(120) == 0
-    assert chunks[-1] == "data: [DONE]"
-    assert '"finish_reason": "length"' in chunks[-2]
+    assert short[-1] == "data: [DONE]" and '"finish_reason": "length"' in short[-2]
+    assert long[-1] == "data: [DONE]"
+    error = json.loads(long[-2][6:])["error"]
+    assert error["code"] == "shutting_down" and "shut down" in error["message"]
