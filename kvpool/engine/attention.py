@@ -2,9 +2,14 @@
 
 Every layer first writes the step's new K/V into their slots, then attends, so a sequence may
 read a block another sequence of the same batch has just written (shared prefix blocks).
-CPU path: decode rows (one new token) run as one batched gather + SDPA; each prefill chunk runs
-its own SDPA (fresh prompts straight on the new K/V, chunks with cached context on gathered
-blocks). CUDA path: a small Triton kernel when triton is importable.
+CPU path: a native kernel (kernels/paged_attention.cpp) runs decode rows and short prefill
+chunks, each row reading only its own context through its block table. Chunks of `SDPA_MIN`
+tokens or more keep SDPA's fused kernel (matmul-bound there, and ~3x faster than the kernel's
+dot products): fresh prompts on the new K/V, chunks over a cached prefix on their own gathered
+blocks, a copy of O(context) amortized over >= SDPA_MIN query rows. Without a
+compiler the torch path runs instead: decode rows as one batched gather + SDPA (padded to the
+longest context), each prefill chunk its own SDPA. CUDA path: a small Triton kernel when triton
+is importable.
 
 Sliding window W (HF transformers' `sliding_window`, Mistral / Gemma 2 / Gemma 3): a query at
 position p sees key positions k with p - W < k <= p, i.e. W keys counting itself. Logit softcap
@@ -22,11 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvpool.engine.kernels import paged_attention_available
 from kvpool.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[Tensor, Tensor]
+SDPA_MIN = 64  # prefill chunks at least this long run on SDPA's fused kernel
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(slots=True)
@@ -60,6 +68,8 @@ class AttentionMetadata:
     decode_mask: Tensor  # [Sd, 1, 1, decode_blocks * block_size] additive: 0 in context, -inf past it
     decode_seq_lens: Tensor  # [Sd] context length of each decode row
     prefills: list[PrefillChunk] = field(default_factory=list)
+    native_seqs: Tensor | None = None  # [N] sequences the native kernel runs (CPU int64)
+    sdpa_chunks: list[int] = field(default_factory=list)  # indices into prefills that keep SDPA
     windowed_masks: dict = field(default_factory=dict)  # (what, window) -> mask, built once per step
 
     def decode_mask_for(self, window: int | None) -> Tensor:
@@ -149,6 +159,9 @@ class AttentionMetadata:
                 mask = _additive(torch.arange(s).unsqueeze(0) <= torch.arange(s - q, s).unsqueeze(1))
                 mask = mask.to(device)
             prefills.append(PrefillChunk(i, start, start + q, s, -(-s // block_size), mask))
+        sdpa_chunks = [j for j, c in enumerate(prefills) if c.end - c.start >= SDPA_MIN]
+        on_sdpa = {prefills[j].seq for j in sdpa_chunks}
+        native = [i for i in range(num_seqs) if i not in on_sdpa]
         return cls(
             slot_mapping=slots.to(device),
             query_start_loc=qsl.to(device),
@@ -165,6 +178,8 @@ class AttentionMetadata:
             decode_mask=dec_mask.to(device),
             decode_seq_lens=s_t[dec_t].to(device),
             prefills=prefills,
+            native_seqs=torch.tensor(native, dtype=torch.int64),
+            sdpa_chunks=sdpa_chunks,
         )
 
 
@@ -200,6 +215,8 @@ def paged_attention(
     _check_window_softcap(window, softcap)
     if query.is_cuda and window is None and softcap is None and _triton_usable(k_cache, meta.block_size):
         return _triton_paged_attention(query, k_cache, v_cache, meta, scale)
+    if _native_usable(query, k_cache):
+        return native_paged_attention(query, k_cache, v_cache, meta, scale, new_kv, window, softcap)
     return torch_paged_attention(query, k_cache, v_cache, meta, scale, new_kv, window, softcap)
 
 
@@ -208,6 +225,49 @@ def _check_window_softcap(window: int | None, softcap: float | None) -> None:
         raise InvalidRequest(f"sliding window must be >= 1 token, got {window}")
     if softcap is not None and not softcap > 0:
         raise InvalidRequest(f"attention softcap must be > 0, got {softcap}")
+
+
+def _native_usable(query: Tensor, k_cache: Tensor) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype in _NATIVE_DTYPES
+        and k_cache.dtype in _NATIVE_DTYPES
+        and query.stride(-1) == 1
+        and k_cache.is_contiguous()
+        and paged_attention_available()
+    )
+
+
+def native_paged_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    new_kv: tuple[Tensor, Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Every row at its own context's cost; chunks of SDPA_MIN tokens or more on SDPA."""
+    out = torch.empty(query.shape, dtype=query.dtype)
+    if meta.native_seqs is not None and meta.native_seqs.numel():
+        torch.ops.kvpool_attn.paged_attention_out(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.native_seqs,
+            scale,
+            window or 0,
+            softcap or 0.0,
+        )
+    for index in meta.sdpa_chunks:
+        chunk = meta.prefills[index]
+        out[chunk.start : chunk.end] = _prefill_chunk(query, k_cache, v_cache, meta, index, scale, new_kv, window, softcap)
+    return out
 
 
 def torch_paged_attention(
@@ -228,17 +288,33 @@ def torch_paged_attention(
     if meta.num_decodes:
         out[meta.decode_rows] = _decode_attention(query, k_cache, v_cache, meta, scale, window, softcap)
     for index, chunk in enumerate(meta.prefills):
-        q = query[chunk.start : chunk.end].transpose(0, 1)  # [H, q, D]
-        mask = meta.chunk_mask_for(index, window)
-        if chunk.mask is None and new_kv is not None:
-            k = new_kv[0][chunk.start : chunk.end].transpose(0, 1)
-            v = new_kv[1][chunk.start : chunk.end].transpose(0, 1)
-        else:
-            blocks = meta.block_tables[chunk.seq, : chunk.num_blocks]
-            k = _gather(k_cache, blocks, chunk.seq_len)
-            v = _gather(v_cache, blocks, chunk.seq_len)
-        out[chunk.start : chunk.end] = _attend(q[None], k[None], v[None], mask, scale, softcap)[0].transpose(0, 1)
+        out[chunk.start : chunk.end] = _prefill_chunk(query, k_cache, v_cache, meta, index, scale, new_kv, window, softcap)
     return out
+
+
+def _prefill_chunk(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    index: int,
+    scale: float,
+    new_kv: tuple[Tensor, Tensor] | None,
+    window: int | None,
+    softcap: float | None,
+) -> Tensor:
+    """[q, H, D] of prefill chunk `index`: fresh prompts on the new K/V, others on gathered blocks."""
+    chunk = meta.prefills[index]
+    q = query[chunk.start : chunk.end].transpose(0, 1)  # [H, q, D]
+    mask = meta.chunk_mask_for(index, window)
+    if chunk.mask is None and new_kv is not None:
+        k = new_kv[0][chunk.start : chunk.end].transpose(0, 1)
+        v = new_kv[1][chunk.start : chunk.end].transpose(0, 1)
+    else:
+        blocks = meta.block_tables[chunk.seq, : chunk.num_blocks]
+        k = _gather(k_cache, blocks, chunk.seq_len)
+        v = _gather(v_cache, blocks, chunk.seq_len)
+    return _attend(q[None], k[None], v[None], mask, scale, softcap)[0].transpose(0, 1)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:

@@ -1,0 +1,120 @@
+"""The native CPU paged-attention kernel against the torch path it replaces, on ragged batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.engine.attention import (
+    AttentionMetadata,
+    native_paged_attention,
+    torch_paged_attention,
+    write_kv,
+)
+from kvpool.engine.kernels import paged_attention_available
+
+pytestmark = pytest.mark.skipif(
+    not paged_attention_available(), reason="no C++ compiler to build the native attention kernel"
+)
+
+D = 64
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def make_batch(
+    cached: list[int],
+    new: list[int],
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    dtype: torch.dtype,
+    seed: int,
+    share: list[int | None] | None = None,
+):
+    """A cache of shuffled blocks holding each sequence's context; sequence i with share[i] = j
+    reuses sequence j's full cached blocks as its own prefix (a fork), then owns the rest."""
+    gen = torch.Generator().manual_seed(seed)
+    totals = [c + n for c, n in zip(cached, new, strict=True)]
+    num_blocks = sum(-(-t // block_size) for t in totals) + 4
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, D, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, D, generator=gen).to(dtype)
+    tables: list[list[int]] = []
+    for i, t in enumerate(totals):
+        parent = share[i] if share else None
+        shared = tables[parent][: min(cached[i], cached[parent]) // block_size] if parent is not None else []
+        own = [free.pop() for _ in range(-(-t // block_size) - len(shared))]
+        tables.append(shared + own)
+    for i, c in enumerate(cached):
+        if c:
+            pre = AttentionMetadata.build([c], [c], [tables[i]], block_size)
+            k = torch.randn(c, kv_heads, D, generator=gen).to(dtype)
+            write_kv(k, torch.randn(c, kv_heads, D, generator=gen).to(dtype), k_cache, v_cache, pre.slot_mapping)
+    meta = AttentionMetadata.build(new, totals, tables, block_size)
+    rows = sum(new)
+    new_k = torch.randn(rows, kv_heads, D, generator=gen).to(dtype)
+    new_v = torch.randn(rows, kv_heads, D, generator=gen).to(dtype)
+    write_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
+    query = torch.randn(rows, kv_heads * group, D, generator=gen).to(dtype)
+    return query, k_cache, v_cache, meta, (new_k, new_v)
+
+
+def max_diff(batch, window=None, softcap=None) -> float:
+    query, k_cache, v_cache, meta, new_kv = batch
+    args = (query, k_cache, v_cache, meta, D**-0.5, new_kv, window, softcap)
+    native = native_paged_attention(*args)
+    ref = torch_paged_attention(*args)
+    return (native.float() - ref.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (3, 3), (2, 4)])
+def test_decode_rows_with_contexts_from_1_to_4100(dtype, block_size, kv_heads, group):
+    cached = [0, 1, 15, 16, 17, 63, 200, 1023, 4099]
+    batch = make_batch(cached, [1] * len(cached), block_size, kv_heads, group, dtype, seed=block_size)
+    assert max_diff(batch) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (3, 3), (2, 4)])
+def test_mixed_prefill_chunks_and_decodes(dtype, block_size, kv_heads, group):
+    # fresh prompts short (native) and long (SDPA), chunks over cached prefixes, decodes
+    cached = [0, 37, 0, 5, 300, 0, 64, 3, 700]
+    new = [23, 11, 1, 1, 1, 90, 1, 70, 130]
+    batch = make_batch(cached, new, block_size, kv_heads, group, dtype, seed=7 + block_size)
+    assert max_diff(batch) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_forked_sequences_read_shared_blocks(block_size):
+    # 1, 2 fork 0's prefix; 3 forks 2 (which shares 0's blocks): decodes and chunks over them
+    cached, new = [256, 256, 300, 280, 0], [1, 1, 17, 1, 5]
+    batch = make_batch(cached, new, block_size, 3, 3, torch.float32, seed=3, share=[None, 0, 0, 2, None])
+    assert len({b for t in batch[3].block_tables.tolist() for b in t[:4]}) < 16  # blocks really shared
+    assert max_diff(batch) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(1, None), (33, None), (512, None), (None, 30.0), (100, 0.7)])
+def test_window_and_softcap(dtype, window, softcap):
+    cached = [0, 37, 0, 600, 4099, 64, 3]
+    new = [23, 11, 100, 1, 1, 70, 1]
+    batch = make_batch(cached, new, 16, 3, 3, dtype, seed=11)
+    assert max_diff(batch, window, softcap) <= TOL[dtype]
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """A long decode row is cut into parts (how many depends on the threads) merged by log-sum-exp."""
+    batch = make_batch([4099, 5], [1, 1], 16, 3, 3, torch.float32, seed=5)
+    assert max_diff(batch) <= 1e-5
+    query, k_cache, v_cache, meta, new_kv = batch
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native_paged_attention(query, k_cache, v_cache, meta, D**-0.5, new_kv)
+    finally:
+        torch.set_num_threads(threads)
+    split = native_paged_attention(query, k_cache, v_cache, meta, D**-0.5, new_kv)
+    assert (one - split).abs().max().item() <= 1e-5
