@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from functools import cache
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -213,8 +211,11 @@ def paged_attention(
     """[T, H, D] attention output. `new_kv` (this step's K/V rows) lets fresh prompts skip the
     gather; results are the same without it. `window` / `softcap`: see the module docstring."""
     _check_window_softcap(window, softcap)
-    if query.is_cuda and window is None and softcap is None and _triton_usable(k_cache, meta.block_size):
-        return _triton_paged_attention(query, k_cache, v_cache, meta, scale)
+    if query.is_cuda:
+        from kvpool.engine.kernels import triton_attention
+
+        if triton_attention.triton_usable(k_cache, meta.block_size):
+            return triton_attention.triton_paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)
     if _native_usable(query, k_cache):
         return native_paged_attention(query, k_cache, v_cache, meta, scale, new_kv, window, softcap)
     return torch_paged_attention(query, k_cache, v_cache, meta, scale, new_kv, window, softcap)
@@ -363,102 +364,3 @@ def _decode_attention(
     q = q.view(num, hkv, group, d)
     o = _attend(q, k, v, meta.decode_mask_for(window), scale, softcap)
     return o.reshape(num, hkv * group, d)
-
-
-def _triton_usable(k_cache: Tensor, block_size: int) -> bool:
-    d = k_cache.shape[-1]
-    pow2 = (block_size & (block_size - 1)) == 0 and (d & (d - 1)) == 0
-    return k_cache.is_cuda and pow2 and block_size >= 16 and _triton_kernel() is not None
-
-
-@cache
-def _triton_kernel() -> Any:
-    """The compiled kernel, or None when triton is missing (then the torch path runs on CUDA)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        logger.info("triton not importable; CUDA paged attention uses the torch path")
-        return None
-
-    @triton.jit
-    def kernel(
-        Q,
-        K,
-        V,
-        Out,
-        BT,
-        SEQ,
-        POS,
-        scale,
-        sq_t,
-        sq_h,
-        sk_b,
-        sk_s,
-        sk_h,
-        so_t,
-        so_h,
-        sbt,
-        GROUP: tl.constexpr,
-        BLOCK: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-    ):
-        # One program per (query token, head): online softmax over the token's context blocks.
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        kvh = h // GROUP
-        seq = tl.load(SEQ + t)
-        n_ctx = tl.load(POS + t) + 1
-        d = tl.arange(0, HEAD_DIM)
-        offs = tl.arange(0, BLOCK)
-        q = tl.load(Q + t * sq_t + h * sq_h + d).to(tl.float32)
-        m = -float("inf")
-        denom = 0.0
-        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-        for b in range(0, tl.cdiv(n_ctx, BLOCK)):
-            blk = tl.load(BT + seq * sbt + b)
-            valid = b * BLOCK + offs < n_ctx
-            base = blk * sk_b + offs[:, None] * sk_s + kvh * sk_h + d[None, :]
-            k = tl.load(K + base, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(V + base, mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.where(valid, tl.sum(k * q[None, :], 1) * scale, -float("inf"))
-            m_new = tl.maximum(m, tl.max(s, 0))
-            p = tl.exp(s - m_new)
-            alpha = tl.exp(m - m_new)
-            denom = denom * alpha + tl.sum(p, 0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-            m = m_new
-        tl.store(Out + t * so_t + h * so_h + d, (acc / denom).to(Out.dtype.element_ty))
-
-    return kernel
-
-
-def _triton_paged_attention(
-    query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
-) -> Tensor:
-    kernel = _triton_kernel()
-    t, h, d = query.shape
-    query = query.contiguous()
-    out = torch.empty_like(query)
-    kernel[(t, h)](
-        query,
-        k_cache,
-        v_cache,
-        out,
-        meta.block_tables,
-        meta.token_seq,
-        meta.positions,
-        scale,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        meta.block_tables.stride(0),
-        GROUP=h // k_cache.shape[2],
-        BLOCK=meta.block_size,
-        HEAD_DIM=d,
-    )
-    return out
