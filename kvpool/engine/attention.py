@@ -250,6 +250,8 @@ def native_paged_attention(
     softcap: float | None = None,
 ) -> Tensor:
     """Every row at its own context's cost; chunks of SDPA_MIN tokens or more on SDPA."""
+    if not paged_attention_available():
+        raise RuntimeError("the native paged-attention kernel could not be built (see the log)")
     out = torch.empty(query.shape, dtype=query.dtype)
     if meta.native_seqs is not None and meta.native_seqs.numel():
         torch.ops.kvpool_attn.paged_attention_out(

@@ -75,3 +75,15 @@ def test_results_do_not_depend_on_the_thread_count():
         torch.set_num_threads(threads)
     split = native_paged_attention(query, k_cache, v_cache, meta, D**-0.5, new_kv)
     assert (one - split).abs().max().item() <= 1e-5
+
+
+def test_peaked_softmax_where_most_weights_underflow():
+    """Scores ~N(0, 20^2): most weights fall below e^-80 and are dropped. fp32 rounding of such
+    scores moves both paths ~1e-5, so the judge is the torch path in float64."""
+    query, k_cache, v_cache, meta, new_kv = make_batch([0, 300, 4099], [9, 1, 1], 16, 3, 3, torch.float32, seed=2)
+    query = query * 20
+    native = native_paged_attention(query, k_cache, v_cache, meta, D**-0.5, new_kv)
+    exact = torch_paged_attention(
+        query.double(), k_cache.double(), v_cache.double(), meta, D**-0.5, (new_kv[0].double(), new_kv[1].double())
+    )
+    assert (native.double() - exact).abs().max().item() <= 1e-5

@@ -100,7 +100,8 @@ void load_tile(const Problem& p, const int64_t* table, int64_t kvh, int64_t k0, 
 }
 
 #ifdef __AVX512F__
-// exp on 16 lanes: 2^n * poly(r), |r| <= ln2/2, degree-7 Taylor (relative error < 1e-8 + rounding).
+// exp on 16 lanes for x >= -87: 2^n * poly(r), |r| <= ln2/2, degree-7 Taylor (relative error
+// < 1e-8 + rounding).
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -153,7 +154,10 @@ void softmax_step(const Problem& p, const float* scores_in, int64_t k0, int64_t 
   float sum = 0.f;
 #ifdef __AVX512F__
   const __mmask16 live = static_cast<__mmask16>(((1u << (last - k0 + 1)) - 1) & ~((1u << (first - k0)) - 1));
-  const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s), _mm512_set1_ps(m_new))));
+  // Weights below e^-80 are dropped: they change nothing and would make denormal products.
+  const __m512 diff = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, s), _mm512_set1_ps(m_new));
+  const __mmask16 keep = live & _mm512_cmp_ps_mask(diff, _mm512_set1_ps(-80.0f), _CMP_GE_OQ);
+  const __m512 e = _mm512_maskz_mov_ps(keep, exp16(diff));
   _mm512_storeu_ps(w, e);
   sum = _mm512_reduce_add_ps(e);
   if (d % 16 == 0) {
