@@ -2,10 +2,11 @@
 
 Default workload: 32 requests of random token ids (seed 0), prompt lengths uniform in
 [32, 256], exactly 64 output tokens each (EOS ignored), greedy. Reports tokens/s, the KV
-usage at peak, and the fraction of this CPU's compute limit reached: model FLOPs
-(2 x parameters x processed tokens, LM head included) over elapsed time x the fp32 matmul
-rate measured in the same run. `--peer hf` runs HF transformers' batched generate on the
-same workload in the same process.
+usage at peak, this machine's limits measured in the same run (best matmul rate over fp32 and
+bf16, the rate of the dtype in use, DRAM read bandwidth; see bench/limits.py), the fraction of
+the best matmul rate reached (model FLOPs: 2 x parameters x processed tokens, LM head
+included), and the workload's floor time with the fraction of it reached (floor / elapsed).
+`--peer hf` runs HF transformers' batched generate on the same workload in the same process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvpool.bench.limits import MachineLimits, describe, floor_seconds, measure_limits
 from kvpool.engine.config import add_engine_args, engine_config_from_args
 from kvpool.engine.engine import Engine
 from kvpool.sched.sampling_params import SamplingParams
@@ -36,8 +38,12 @@ class ThroughputResult:
     output_tokens_per_s: float
     total_tokens_per_s: float
     achieved_gflops: float
-    matmul_gflops: float
-    fraction_of_compute_limit: float
+    matmul_gflops: float  # the rate of the dtype this system ran in
+    fraction_of_compute_limit: float  # of the best matmul rate over fp32 and bf16
+    best_matmul_gflops: float
+    dram_read_gbps: float
+    floor_s: float
+    fraction_of_floor: float  # floor_s / elapsed_s
     peak_kv_blocks_used: int | None = None
     peak_kv_token_fraction_of_allocated: float | None = None
     mean_token_fraction_of_allocated: float | None = None
@@ -50,25 +56,27 @@ def make_workload(num: int, min_in: int, max_in: int, vocab: int, seed: int) -> 
     return [rng.integers(0, vocab, size=int(n)).tolist() for n in lens]
 
 
-def measure_matmul_gflops(n: int = 2048, seconds: float = 1.0) -> float:
-    """Best fp32 matmul rate over a short burst: this CPU's compute limit, measured now."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e9)
-    return best
-
-
 def flops_per_token(engine_or_config) -> int:
     cfg = engine_or_config
     emb = cfg.vocab_size * cfg.hidden_size
     return 2 * (cfg.num_parameters() - emb + (emb if cfg.tie_word_embeddings else 0))
 
 
-def run_kvpool(engine: Engine, prompts: list[list[int]], output_len: int, gflops: float) -> ThroughputResult:
+def _result(system: str, prompts: list[list[int]], out_tokens: int, output_len: int, elapsed: float, cfg,
+            limits: MachineLimits, dtype: str, **extra) -> ThroughputResult:
+    prompt_tokens = sum(len(p) for p in prompts)
+    processed = prompt_tokens + out_tokens - len(prompts)
+    fpt = flops_per_token(cfg)
+    achieved = fpt * processed / elapsed / 1e9
+    floor = floor_seconds(limits, fpt, cfg.num_parameters(), [len(p) for p in prompts], output_len)
+    return ThroughputResult(
+        system, len(prompts), prompt_tokens, out_tokens, elapsed, out_tokens / elapsed,
+        (prompt_tokens + out_tokens) / elapsed, achieved, limits.matmul_gflops.get(dtype, float("nan")),
+        achieved / limits.best_gflops, limits.best_gflops, limits.dram_read_gbps, floor, floor / elapsed, **extra,
+    )
+
+
+def run_kvpool(engine: Engine, prompts: list[list[int]], output_len: int, limits: MachineLimits) -> ThroughputResult:
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
@@ -89,17 +97,15 @@ def run_kvpool(engine: Engine, prompts: list[list[int]], output_len: int, gflops
             peak_used, peak_frac = u.used_blocks, u.token_fraction_of_allocated
     elapsed = time.perf_counter() - start
     bar.close()
-    prompt_tokens = sum(len(p) for p in prompts)
-    processed = prompt_tokens + out_tokens - len(prompts)
-    achieved = flops_per_token(engine.loaded.config) * processed / elapsed / 1e9
-    return ThroughputResult(
-        "kvpool", len(prompts), prompt_tokens, out_tokens, elapsed, out_tokens / elapsed,
-        (prompt_tokens + out_tokens) / elapsed, achieved, gflops, achieved / gflops,
-        peak_used, peak_frac, float(np.mean(fracs)) if fracs else None, engine.scheduler.num_preemptions,
+    return _result(
+        "kvpool", prompts, out_tokens, output_len, elapsed, engine.loaded.config, limits, engine.config.dtype,
+        peak_kv_blocks_used=peak_used, peak_kv_token_fraction_of_allocated=peak_frac,
+        mean_token_fraction_of_allocated=float(np.mean(fracs)) if fracs else None,
+        preemptions=engine.scheduler.num_preemptions,
     )
 
 
-def run_hf(model_path: str, prompts: list[list[int]], output_len: int, gflops: float, cfg, batch: int = 8):
+def run_hf(model_path: str, prompts: list[list[int]], output_len: int, limits: MachineLimits, cfg, batch: int = 8):
     """HF transformers' batched greedy generate on the same workload (left padding)."""
     from pathlib import Path
 
@@ -121,13 +127,7 @@ def run_hf(model_path: str, prompts: list[list[int]], output_len: int, gflops: f
                                  min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
         out_tokens += (res.shape[1] - width) * len(chunk)
     elapsed = time.perf_counter() - start
-    prompt_tokens = sum(len(p) for p in prompts)
-    processed = prompt_tokens + out_tokens - len(prompts)
-    achieved = flops_per_token(cfg) * processed / elapsed / 1e9
-    return ThroughputResult(
-        "hf-transformers", len(prompts), prompt_tokens, out_tokens, elapsed, out_tokens / elapsed,
-        (prompt_tokens + out_tokens) / elapsed, achieved, gflops, achieved / gflops,
-    )
+    return _result("hf-transformers", prompts, out_tokens, output_len, elapsed, cfg, limits, "float32")
 
 
 def add_arguments(p) -> None:
@@ -145,7 +145,10 @@ def add_arguments(p) -> None:
 def _print(r: ThroughputResult) -> None:
     print(f"{r.system}: {r.requests} requests in {r.elapsed_s:.2f} s | output {r.output_tokens_per_s:.1f} tok/s | "
           f"total {r.total_tokens_per_s:.1f} tok/s | {r.achieved_gflops:.1f} GFLOP/s = "
-          f"{r.fraction_of_compute_limit:.2f} of the {r.matmul_gflops:.0f} GFLOP/s matmul limit")
+          f"{r.fraction_of_compute_limit:.2f} of the best matmul rate ({r.best_matmul_gflops:.0f} GFLOP/s; "
+          f"{r.matmul_gflops:.0f} in its dtype)")
+    print(f"  workload floor {r.floor_s:.2f} s (best matmul rate, weights streamed at "
+          f"{r.dram_read_gbps:.1f} GB/s per decode step): {r.fraction_of_floor:.2f} of the floor reached")
     if r.peak_kv_blocks_used is not None:
         print(f"  KV at peak: {r.peak_kv_blocks_used} blocks used, {r.peak_kv_token_fraction_of_allocated:.1%} of "
               f"allocated slots hold tokens (mean over steps {r.mean_token_fraction_of_allocated:.1%}); "
@@ -156,13 +159,13 @@ def main(args) -> int:
     engine = Engine(engine_config_from_args(args))
     prompts = make_workload(args.num_prompts, args.input_len_min, args.input_len_max,
                             engine.loaded.config.vocab_size, args.seed_workload)
-    gflops = measure_matmul_gflops()
-    print(f"fp32 matmul rate measured now: {gflops:.1f} GFLOP/s; model {flops_per_token(engine.loaded.config) / 1e6:.0f} "
-          f"MFLOP/token; {torch.get_num_threads()} threads")
-    results = [run_kvpool(engine, prompts, args.output_len, gflops)]
+    limits = measure_limits()
+    print(f"{describe(limits, engine.config.dtype)}; model {flops_per_token(engine.loaded.config) / 1e6:.0f} "
+          f"MFLOP/token")
+    results = [run_kvpool(engine, prompts, args.output_len, limits)]
     _print(results[0])
     if args.peer == "hf":
-        results.append(run_hf(str(engine.loaded.path), prompts, args.output_len, gflops, engine.loaded.config,
+        results.append(run_hf(str(engine.loaded.path), prompts, args.output_len, limits, engine.loaded.config,
                               args.hf_batch))
         _print(results[1])
         print(f"kvpool / hf output throughput: {results[0].output_tokens_per_s / results[1].output_tokens_per_s:.2f}x")

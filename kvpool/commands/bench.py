@@ -1,4 +1,4 @@
-"""`kvpool bench core | throughput | serve | profile | kvstore | cluster`."""
+"""`kvpool bench core | throughput | long-context | serve | profile | kvstore | cluster`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import importlib
 BENCHES = {
     "core": "kvpool.bench.core_cli",
     "throughput": "kvpool.bench.throughput",
+    "long-context": "kvpool.bench.long_context",
     "serve": "kvpool.bench.serve",
     "profile": "kvpool.bench.profile",
     "kvstore": "kvpool.bench.kvstore",

@@ -2,27 +2,37 @@
 
 Every layer first writes the step's new K/V into their slots, then attends, so a sequence may
 read a block another sequence of the same batch has just written (shared prefix blocks).
-CPU path: decode rows (one new token) run as one batched gather + SDPA; each prefill chunk runs
-its own SDPA (fresh prompts straight on the new K/V, chunks with cached context on gathered
-blocks). CUDA path: a small Triton kernel when triton is importable.
+CPU path: a native kernel (kernels/paged_attention.cpp) runs decode rows and short prefill
+chunks, each row reading only its own context through its block table. Chunks of `SDPA_MIN`
+tokens or more keep SDPA's fused kernel (matmul-bound there, and ~3x faster than the kernel's
+dot products): fresh prompts on the new K/V, chunks over a cached prefix on their own gathered
+blocks, a copy of O(context) amortized over >= SDPA_MIN query rows. Without a
+compiler the torch path runs instead: decode rows as one batched gather + SDPA (padded to the
+longest context), each prefill chunk its own SDPA. CUDA path: a small Triton kernel when triton
+is importable.
+
+Sliding window W (HF transformers' `sliding_window`, Mistral / Gemma 2 / Gemma 3): a query at
+position p sees key positions k with p - W < k <= p, i.e. W keys counting itself. Logit softcap
+c (Gemma 2): scores s = scale * q.k become c * tanh(s / c) before the mask and the softmax.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from functools import cache
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvpool.engine.kernels import paged_attention_available
 from kvpool.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[Tensor, Tensor]
+SDPA_MIN = 64  # prefill chunks at least this long run on SDPA's fused kernel
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(slots=True)
@@ -54,7 +64,37 @@ class AttentionMetadata:
     decode_block_ids: Tensor  # [Sd * decode_blocks] their block ids, flattened
     decode_blocks: int  # blocks gathered per decode row
     decode_mask: Tensor  # [Sd, 1, 1, decode_blocks * block_size] additive: 0 in context, -inf past it
+    decode_seq_lens: Tensor  # [Sd] context length of each decode row
     prefills: list[PrefillChunk] = field(default_factory=list)
+    native_seqs: Tensor | None = None  # [N] sequences the native kernel runs (CPU int64)
+    sdpa_chunks: list[int] = field(default_factory=list)  # indices into prefills that keep SDPA
+    windowed_masks: dict = field(default_factory=dict)  # (what, window) -> mask, built once per step
+
+    def decode_mask_for(self, window: int | None) -> Tensor:
+        """The decode mask that also hides keys at or before position seq_len - 1 - window."""
+        if window is None:
+            return self.decode_mask
+        key = ("decode", window)
+        if key not in self.windowed_masks:
+            span = self.decode_mask.shape[-1]
+            lens = self.decode_seq_lens.unsqueeze(1)
+            ar = torch.arange(span, device=lens.device)
+            allowed = (ar < lens) & (ar >= lens - window)
+            self.windowed_masks[key] = _additive(allowed).view(-1, 1, 1, span)
+        return self.windowed_masks[key]
+
+    def chunk_mask_for(self, index: int, window: int | None) -> Tensor | None:
+        """Prefill chunk `index`'s mask [qlen, seq_len]; None means plain causal over new K/V."""
+        chunk = self.prefills[index]
+        if window is None or window >= chunk.seq_len:
+            return chunk.mask
+        key = (index, window)
+        if key not in self.windowed_masks:
+            s, q = chunk.seq_len, chunk.end - chunk.start
+            keys = torch.arange(s, device=self.seq_lens.device).unsqueeze(0)
+            pos = torch.arange(s - q, s, device=self.seq_lens.device).unsqueeze(1)
+            self.windowed_masks[key] = _additive((keys <= pos) & (pos - keys < window))
+        return self.windowed_masks[key]
 
     @property
     def num_decodes(self) -> int:
@@ -117,6 +157,9 @@ class AttentionMetadata:
                 mask = _additive(torch.arange(s).unsqueeze(0) <= torch.arange(s - q, s).unsqueeze(1))
                 mask = mask.to(device)
             prefills.append(PrefillChunk(i, start, start + q, s, -(-s // block_size), mask))
+        sdpa_chunks = [j for j, c in enumerate(prefills) if c.end - c.start >= SDPA_MIN]
+        on_sdpa = {prefills[j].seq for j in sdpa_chunks}
+        native = [i for i in range(num_seqs) if i not in on_sdpa]
         return cls(
             slot_mapping=slots.to(device),
             query_start_loc=qsl.to(device),
@@ -131,12 +174,15 @@ class AttentionMetadata:
             decode_block_ids=bt_t[dec_t, :dec_blocks].reshape(-1).to(device),
             decode_blocks=dec_blocks,
             decode_mask=dec_mask.to(device),
+            decode_seq_lens=s_t[dec_t].to(device),
             prefills=prefills,
+            native_seqs=torch.tensor(native, dtype=torch.int64),
+            sdpa_chunks=sdpa_chunks,
         )
 
 
 def _additive(allowed: Tensor) -> Tensor:
-    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _mask_for(mask: Tensor | None, query: Tensor) -> Tensor | None:
@@ -159,37 +205,139 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     new_kv: tuple[Tensor, Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """[T, H, D] attention output. `new_kv` (this step's K/V rows) lets fresh prompts skip the
-    gather; results are the same without it."""
-    if query.is_cuda and _triton_usable(k_cache, meta.block_size):
-        return _triton_paged_attention(query, k_cache, v_cache, meta, scale)
+    gather; results are the same without it. `window` / `softcap`: see the module docstring."""
+    _check_window_softcap(window, softcap)
+    if query.is_cuda:
+        from kvpool.engine.kernels import triton_attention
+
+        if triton_attention.triton_usable(k_cache, meta.block_size):
+            return triton_attention.triton_paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)
+    if _native_usable(query, k_cache):
+        return native_paged_attention(query, k_cache, v_cache, meta, scale, new_kv, window, softcap)
+    return torch_paged_attention(query, k_cache, v_cache, meta, scale, new_kv, window, softcap)
+
+
+def _check_window_softcap(window: int | None, softcap: float | None) -> None:
+    if window is not None and window < 1:
+        raise InvalidRequest(f"sliding window must be >= 1 token, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise InvalidRequest(f"attention softcap must be > 0, got {softcap}")
+
+
+def _native_usable(query: Tensor, k_cache: Tensor) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype in _NATIVE_DTYPES
+        and k_cache.dtype in _NATIVE_DTYPES
+        and query.stride(-1) == 1
+        and k_cache.is_contiguous()
+        and paged_attention_available()
+    )
+
+
+def native_paged_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    new_kv: tuple[Tensor, Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Every row at its own context's cost; chunks of SDPA_MIN tokens or more on SDPA."""
+    if not paged_attention_available():
+        raise RuntimeError("the native paged-attention kernel could not be built (see the log)")
+    out = torch.empty(query.shape, dtype=query.dtype)
+    if meta.native_seqs is not None and meta.native_seqs.numel():
+        torch.ops.kvpool_attn.paged_attention_out(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.native_seqs,
+            scale,
+            window or 0,
+            softcap or 0.0,
+        )
+    for index in meta.sdpa_chunks:
+        chunk = meta.prefills[index]
+        out[chunk.start : chunk.end] = _prefill_chunk(query, k_cache, v_cache, meta, index, scale, new_kv, window, softcap)
+    return out
+
+
+def torch_paged_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    new_kv: tuple[Tensor, Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """The reference path: torch ops only (gathers whole contexts; decode rows padded to the
+    longest one). Also what runs where the native kernel cannot be built."""
     if not meta.prefills:  # decode-only step: rows are the decode rows, in order
-        return _decode_attention(query, k_cache, v_cache, meta, scale)
+        return _decode_attention(query, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(query)
     if meta.num_decodes:
-        out[meta.decode_rows] = _decode_attention(query, k_cache, v_cache, meta, scale)
-    for chunk in meta.prefills:
-        q = query[chunk.start : chunk.end].transpose(0, 1)  # [H, q, D]
-        if chunk.mask is None and new_kv is not None:
-            k = new_kv[0][chunk.start : chunk.end].transpose(0, 1)
-            v = new_kv[1][chunk.start : chunk.end].transpose(0, 1)
-        else:
-            blocks = meta.block_tables[chunk.seq, : chunk.num_blocks]
-            k = _gather(k_cache, blocks, chunk.seq_len)
-            v = _gather(v_cache, blocks, chunk.seq_len)
-        # 4-D inputs take SDPA's fused CPU kernel; 3-D ones fall back to a slower path.
-        o = F.scaled_dot_product_attention(
-            q[None],
-            k[None],
-            v[None],
-            attn_mask=_mask_for(chunk.mask, q),
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+        out[meta.decode_rows] = _decode_attention(query, k_cache, v_cache, meta, scale, window, softcap)
+    for index, chunk in enumerate(meta.prefills):
+        out[chunk.start : chunk.end] = _prefill_chunk(query, k_cache, v_cache, meta, index, scale, new_kv, window, softcap)
     return out
+
+
+def _prefill_chunk(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    index: int,
+    scale: float,
+    new_kv: tuple[Tensor, Tensor] | None,
+    window: int | None,
+    softcap: float | None,
+) -> Tensor:
+    """[q, H, D] of prefill chunk `index`: fresh prompts on the new K/V, others on gathered blocks."""
+    chunk = meta.prefills[index]
+    q = query[chunk.start : chunk.end].transpose(0, 1)  # [H, q, D]
+    mask = meta.chunk_mask_for(index, window)
+    if chunk.mask is None and new_kv is not None:
+        k = new_kv[0][chunk.start : chunk.end].transpose(0, 1)
+        v = new_kv[1][chunk.start : chunk.end].transpose(0, 1)
+    else:
+        blocks = meta.block_tables[chunk.seq, : chunk.num_blocks]
+        k = _gather(k_cache, blocks, chunk.seq_len)
+        v = _gather(v_cache, blocks, chunk.seq_len)
+    return _attend(q[None], k[None], v[None], mask, scale, softcap)[0].transpose(0, 1)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
+    """q [B, H, M, D] over k, v [B, Hkv, N, D]; mask additive [.., M, N] or None for causal."""
+    if softcap is None:
+        # 4-D inputs take SDPA's fused CPU kernel; 3-D ones fall back to a slower path.
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=_mask_for(mask, q), is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    # SDPA cannot softcap: explicit scores in fp32, the query heads of one KV head side by side.
+    b, h, m, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    qf = q.float().view(b, hkv, h // hkv, m, d)
+    scores = qf @ k.float().unsqueeze(2).transpose(-1, -2) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        mask = _additive(torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m))
+    scores = scores + (mask.unsqueeze(1) if mask.dim() == 4 else mask).float()  # [B, 1, 1, M, N] or [M, N]
+    out = scores.softmax(-1) @ v.float().unsqueeze(2)
+    return out.view(b, h, m, d).to(q.dtype)
 
 
 def _gather(cache: Tensor, blocks: Tensor, length: int) -> Tensor:
@@ -199,7 +347,13 @@ def _gather(cache: Tensor, blocks: Tensor, length: int) -> Tensor:
 
 
 def _decode_attention(
-    query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
 ) -> Tensor:
     """One query row per sequence, batched over sequences with a validity mask."""
     num, (hkv, d) = meta.num_decodes, k_cache.shape[-2:]
@@ -210,104 +364,5 @@ def _decode_attention(
     group = query.shape[1] // hkv
     q = query if not meta.prefills else query.index_select(0, meta.decode_rows)
     q = q.view(num, hkv, group, d)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_for(meta.decode_mask, q), scale=scale)
+    o = _attend(q, k, v, meta.decode_mask_for(window), scale, softcap)
     return o.reshape(num, hkv * group, d)
-
-
-def _triton_usable(k_cache: Tensor, block_size: int) -> bool:
-    d = k_cache.shape[-1]
-    pow2 = (block_size & (block_size - 1)) == 0 and (d & (d - 1)) == 0
-    return k_cache.is_cuda and pow2 and block_size >= 16 and _triton_kernel() is not None
-
-
-@cache
-def _triton_kernel() -> Any:
-    """The compiled kernel, or None when triton is missing (then the torch path runs on CUDA)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        logger.info("triton not importable; CUDA paged attention uses the torch path")
-        return None
-
-    @triton.jit
-    def kernel(
-        Q,
-        K,
-        V,
-        Out,
-        BT,
-        SEQ,
-        POS,
-        scale,
-        sq_t,
-        sq_h,
-        sk_b,
-        sk_s,
-        sk_h,
-        so_t,
-        so_h,
-        sbt,
-        GROUP: tl.constexpr,
-        BLOCK: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-    ):
-        # One program per (query token, head): online softmax over the token's context blocks.
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        kvh = h // GROUP
-        seq = tl.load(SEQ + t)
-        n_ctx = tl.load(POS + t) + 1
-        d = tl.arange(0, HEAD_DIM)
-        offs = tl.arange(0, BLOCK)
-        q = tl.load(Q + t * sq_t + h * sq_h + d).to(tl.float32)
-        m = -float("inf")
-        denom = 0.0
-        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-        for b in range(0, tl.cdiv(n_ctx, BLOCK)):
-            blk = tl.load(BT + seq * sbt + b)
-            valid = b * BLOCK + offs < n_ctx
-            base = blk * sk_b + offs[:, None] * sk_s + kvh * sk_h + d[None, :]
-            k = tl.load(K + base, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(V + base, mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.where(valid, tl.sum(k * q[None, :], 1) * scale, -float("inf"))
-            m_new = tl.maximum(m, tl.max(s, 0))
-            p = tl.exp(s - m_new)
-            alpha = tl.exp(m - m_new)
-            denom = denom * alpha + tl.sum(p, 0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-            m = m_new
-        tl.store(Out + t * so_t + h * so_h + d, (acc / denom).to(Out.dtype.element_ty))
-
-    return kernel
-
-
-def _triton_paged_attention(
-    query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
-) -> Tensor:
-    kernel = _triton_kernel()
-    t, h, d = query.shape
-    query = query.contiguous()
-    out = torch.empty_like(query)
-    kernel[(t, h)](
-        query,
-        k_cache,
-        v_cache,
-        out,
-        meta.block_tables,
-        meta.token_seq,
-        meta.positions,
-        scale,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        meta.block_tables.stride(0),
-        GROUP=h // k_cache.shape[2],
-        BLOCK=meta.block_size,
-        HEAD_DIM=d,
-    )
-    return out

@@ -17,7 +17,7 @@ from kvpool.engine.llm import LLM
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.store.services import ServiceError
 
-INSTANCE_ARGS = ["--num-blocks", "256", "--max-model-len", "1024", "--threads", "1"]
+INSTANCE_ARGS = ["--dtype", "float32", "--num-blocks", "256", "--max-model-len", "1024", "--threads", "1"]
 API_KEY = "conductor-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 DOC = " ".join(f"Section {i}: the harbour ledger lists {i * 7} crates of tea, {i * 3} bales of wool "
@@ -45,7 +45,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def reference() -> LLM:
     """A single colocated engine: what every greedy completion must equal."""
-    return LLM(num_blocks=256, max_model_len=1024, threads=1)
+    return LLM(num_blocks=256, max_model_len=1024, threads=1, dtype="float32")
 
 
 def _client(cluster: LocalCluster) -> openai.AsyncOpenAI:

@@ -15,7 +15,7 @@ GREEDY = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)  # as HF 
 
 
 def make_engine(loaded, **kw) -> Engine:
-    return Engine(EngineConfig(**kw), loaded=loaded)
+    return Engine(EngineConfig(**{"dtype": "float32", **kw}), loaded=loaded)  # `loaded` is fp32
 
 
 def run_all(engine: Engine, prompts, params) -> dict[str, list]:

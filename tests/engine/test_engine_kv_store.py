@@ -34,11 +34,11 @@ def run(engine: Engine, prompt: str = PROMPT):
 
 @pytest.fixture(scope="module")
 def reference(loaded):
-    return run(Engine(EngineConfig(num_blocks=256), loaded=loaded)).outputs[0].token_ids
+    return run(Engine(EngineConfig(num_blocks=256, dtype="float32"), loaded=loaded)).outputs[0].token_ids
 
 
 def make(loaded, **store) -> Engine:
-    return Engine(EngineConfig(num_blocks=256, **store), loaded=loaded)
+    return Engine(EngineConfig(num_blocks=256, dtype="float32", **store), loaded=loaded)
 
 
 def served_from_store(engine: Engine, reference) -> int:

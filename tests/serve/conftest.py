@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 # small and fast: 256 blocks x 16 tokens, a 1024-token context
-SERVER_ARGS = ["--num-blocks", "256", "--max-model-len", "1024", "--max-num-seqs", "64"]
+SERVER_ARGS = ["--dtype", "float32", "--num-blocks", "256", "--max-model-len", "1024", "--max-num-seqs", "64"]
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 OTHER_KEY = "other-tenant-key"  # a second tenant of the session server

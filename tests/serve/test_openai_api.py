@@ -33,7 +33,7 @@ def test_greedy_completion_matches_offline_llm(client, model_id):
     from kvpool import LLM
     from kvpool.sched.sampling_params import SamplingParams
 
-    llm = LLM(max_model_len=1024, num_blocks=64)
+    llm = LLM(max_model_len=1024, num_blocks=64, dtype="float32")
     offline = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     r = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, temperature=0)
     assert r.choices[0].text == offline.outputs[0].text

@@ -2,7 +2,8 @@
 
 Only what torch lacks lives here: a float32 matmul over 4-bit grouped weights (torch's own
 int4 CPU kernel is vectorized for bf16 activations only, which would change the model's
-numbers). If no compiler is at hand the engine keeps its dense float path.
+numbers), and paged attention that reads each sequence's K/V through its block table. If no
+compiler is at hand the engine keeps its dense float weights and its torch attention.
 """
 
 from __future__ import annotations
@@ -18,34 +19,54 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("q4_linear.cpp")
+ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 
-def build_dir() -> Path:
+def build_dir(source: Path = SOURCE) -> Path:
     base = Path(os.environ.get("KVPOOL_CACHE_DIR") or Path.home() / ".cache" / "kvpool")
     # -march=native: a cache shared between machines must not hand one CPU's build to another
     machine = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {' '.join(FLAGS)}"
-    digest = hashlib.sha256(SOURCE.read_bytes() + machine.encode())
+    digest = hashlib.sha256(source.read_bytes() + machine.encode())
     return base / "kernels" / digest.hexdigest()[:12]
+
+
+def _build(name: str, source: Path) -> None:
+    from torch.utils import cpp_extension
+
+    path = build_dir(source)
+    path.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(source)],
+        extra_cflags=FLAGS,
+        build_directory=str(path),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 @cache
 def q4_linear_available() -> bool:
     """Build (first call on a machine: ~30 s) and register `torch.ops.kvpool.q4_linear`."""
-    from torch.utils import cpp_extension
-
-    path = build_dir()
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name="kvpool_kernels",
-            sources=[str(SOURCE)],
-            extra_cflags=FLAGS,
-            build_directory=str(path),
-            is_python_module=False,
-            verbose=False,
-        )
+        _build("kvpool_kernels", SOURCE)
     except Exception as e:  # no compiler, no headers, read-only cache: stay on dense weights
         logger.warning("4-bit kernels unavailable (%s); using dense float weights", e)
         return False
+    return True
+
+
+@cache
+def paged_attention_available() -> bool:
+    """Build (first call on a machine: ~30 s) and register `torch.ops.kvpool_attn.paged_attention_out`."""
+    if os.environ.get("KVPOOL_NATIVE_ATTENTION", "1") == "0":
+        logger.info("native paged attention off (KVPOOL_NATIVE_ATTENTION=0); using the torch path")
+        return False
+    try:
+        _build("kvpool_attn_kernels", ATTENTION_SOURCE)
+    except Exception as e:  # no compiler, no headers, read-only cache: stay on torch attention
+        logger.warning("native paged attention unavailable (%s); using the torch path", e)
+        return False
+    logger.info("native paged attention kernel loaded")
     return True

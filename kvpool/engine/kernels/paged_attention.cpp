@@ -1,0 +1,347 @@
+// Paged attention on CPU: every query row reads its own sequence's K/V through the block table,
+// so a step costs the sum of the rows' own contexts (no padding to the longest row, no gather of
+// whole contexts). One work unit is (sequence, KV head, a tile of query tokens): the G query
+// heads of a KV head and up to 16 rows share each K/V tile read (GQA without repeats). Keys are
+// visited in tiles of 16 positions with an online softmax; long units are split across threads
+// (flash-decoding) and their partial (max, sum, acc) are merged with log-sum-exp weights.
+//
+// K/V tiles are first converted to fp32 scratch by `load_tile`: fp32 and bf16 caches today; an
+// int8/fp8 cache with per-block scales only needs another `load_tile`.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;       // key positions per tile
+constexpr int64_t kRowsTarget = 16;  // query rows (tokens x group) a unit aims for
+constexpr int64_t kMinSplit = 256;   // never split a context into parts shorter than this
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Problem {
+  const void* query;
+  void* out;
+  const void* k_cache;
+  const void* v_cache;
+  const int64_t* block_tables;
+  const int64_t* query_start;
+  const int64_t* seq_lens;
+  int64_t q_stride_t, q_stride_h, bt_stride, block_size, kv_heads, group, head_dim, heads;
+  float scale, softcap;
+  int64_t window;  // 0: none
+  bool q_bf16, kv_bf16;
+};
+
+struct Unit {
+  int64_t seq, kvh, tok0, ntok, lo, hi, nsplit, first_item;
+};
+
+struct Item {
+  int64_t unit, k0, k1;
+};
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+void to_float(const void* src, bool bf16, int64_t n, float* dst) {
+  if (!bf16) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = bf16_to_float(s[i]);
+}
+
+void from_float(const float* src, bool bf16, int64_t n, void* dst) {
+  if (!bf16) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  c10::BFloat16* d = static_cast<c10::BFloat16*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = c10::BFloat16(src[i]);  // round to nearest even
+}
+
+// K and V of key positions [k0, k0 + n) of one sequence and KV head, as fp32 rows [n][D].
+void load_tile(const Problem& p, const int64_t* table, int64_t kvh, int64_t k0, int64_t n, float* kf, float* vf) {
+  const int64_t d = p.head_dim, row = p.kv_heads * d, elem = p.kv_bf16 ? 2 : 4;
+  const char* kc = static_cast<const char*>(p.k_cache);
+  const char* vc = static_cast<const char*>(p.v_cache);
+  for (int64_t i = 0; i < n;) {
+    const int64_t pos = k0 + i, off = pos % p.block_size;
+    const int64_t run = std::min(p.block_size - off, n - i);
+    const int64_t base = ((table[pos / p.block_size] * p.block_size + off) * row + kvh * d) * elem;
+    for (int64_t j = 0; j < run; ++j, ++i) {
+      to_float(kc + base + j * row * elem, p.kv_bf16, d, kf + i * d);
+      to_float(vc + base + j * row * elem, p.kv_bf16, d, vf + i * d);
+    }
+  }
+}
+
+#ifdef __AVX512F__
+// exp on 16 lanes for x >= -87: 2^n * poly(r), |r| <= ln2/2, degree-7 Taylor (relative error
+// < 1e-8 + rounding).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 5040);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 720));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+#endif
+
+inline float dot_scalar(const float* a, const float* b, int64_t d) {
+  float s = 0.f;
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One row's online-softmax step over a tile of n scores at key positions k0.. : updates m, l and
+// acc [D] with the allowed keys (k <= pos and pos - k < window).
+void softmax_step(const Problem& p, const float* scores_in, int64_t k0, int64_t n, int64_t pos, const float* vf,
+                  float& m, float& l, float* acc) {
+  const int64_t d = p.head_dim;
+  const int64_t first = p.window ? std::max<int64_t>(k0, pos - p.window + 1) : k0;
+  const int64_t last = std::min(k0 + n - 1, pos);  // inclusive
+  if (first > last) return;
+  float s[kTile], w[kTile];
+  float tmax = kNegInf;
+  for (int64_t i = 0; i < n; ++i) {
+    float x = scores_in[i] * p.scale;
+    if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
+    const int64_t k = k0 + i;
+    s[i] = (k >= first && k <= last) ? x : kNegInf;
+    tmax = std::max(tmax, s[i]);
+  }
+  const float m_new = std::max(m, tmax);
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
+  float sum = 0.f;
+#ifdef __AVX512F__
+  const __mmask16 live = static_cast<__mmask16>(((1u << (last - k0 + 1)) - 1) & ~((1u << (first - k0)) - 1));
+  // Weights below e^-80 are dropped: they change nothing and would make denormal products.
+  const __m512 diff = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, s), _mm512_set1_ps(m_new));
+  const __mmask16 keep = live & _mm512_cmp_ps_mask(diff, _mm512_set1_ps(-80.0f), _CMP_GE_OQ);
+  const __m512 e = _mm512_maskz_mov_ps(keep, exp16(diff));
+  _mm512_storeu_ps(w, e);
+  sum = _mm512_reduce_add_ps(e);
+  if (d % 16 == 0) {
+    const __m512 a = _mm512_set1_ps(alpha);
+    for (int64_t j = 0; j < d; j += 16) {
+      __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + j), a);
+      for (int64_t i = first - k0; i <= last - k0; ++i)
+        o = _mm512_fmadd_ps(_mm512_set1_ps(w[i]), _mm512_loadu_ps(vf + i * d + j), o);
+      _mm512_storeu_ps(acc + j, o);
+    }
+    l = l * alpha + sum;
+    m = m_new;
+    return;
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    w[i] = s[i] == kNegInf ? 0.f : std::exp(s[i] - m_new);
+    sum += w[i];
+  }
+#endif
+  for (int64_t j = 0; j < d; ++j) acc[j] *= alpha;
+  for (int64_t i = first - k0; i <= last - k0; ++i)
+    for (int64_t j = 0; j < d; ++j) acc[j] += w[i] * vf[i * d + j];
+  l = l * alpha + sum;
+  m = m_new;
+}
+
+struct Scratch {
+  std::vector<float> q, k, v, scores;
+  explicit Scratch(int64_t rows, int64_t d) : q(rows * d), k(kTile * d), v(kTile * d), scores(kTile) {}
+};
+
+// Rows r = token * G + g of a unit over keys [k0, k1): m, l [R] and unnormalized acc [R][D].
+void run_item(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scratch& sc, float* m, float* l, float* acc) {
+  const int64_t d = p.head_dim, g = p.group, rows = u.ntok * g;
+  const int64_t qstart = p.query_start[u.seq], qlen = p.query_start[u.seq + 1] - qstart;
+  const int64_t pos0 = p.seq_lens[u.seq] - qlen + u.tok0;  // position of the unit's first token
+  const int64_t elem = p.q_bf16 ? 2 : 4;
+  for (int64_t t = 0; t < u.ntok; ++t) {
+    const char* src = static_cast<const char*>(p.query) +
+                      ((qstart + u.tok0 + t) * p.q_stride_t + u.kvh * g * p.q_stride_h) * elem;
+    for (int64_t j = 0; j < g; ++j) to_float(src + j * p.q_stride_h * elem, p.q_bf16, d, sc.q.data() + (t * g + j) * d);
+  }
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.f);
+  std::fill(acc, acc + rows * d, 0.f);
+  const int64_t* table = p.block_tables + u.seq * p.bt_stride;
+  for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
+    const int64_t n = std::min(kTile, k1 - t0);
+    load_tile(p, table, u.kvh, t0, n, sc.k.data(), sc.v.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = sc.q.data() + r * d;
+#ifdef __AVX512F__
+      if (d % 16 == 0)
+        for (int64_t i = 0; i < n; ++i) sc.scores[i] = dot(qr, sc.k.data() + i * d, d);
+      else
+#endif
+        for (int64_t i = 0; i < n; ++i) sc.scores[i] = dot_scalar(qr, sc.k.data() + i * d, d);
+      softmax_step(p, sc.scores.data(), t0, n, pos0 + r / g, sc.v.data(), m[r], l[r], acc + r * d);
+    }
+  }
+}
+
+void write_rows(const Problem& p, const Unit& u, const float* rows_out) {
+  const int64_t d = p.head_dim, g = p.group, elem = p.q_bf16 ? 2 : 4;
+  const int64_t qstart = p.query_start[u.seq];
+  for (int64_t t = 0; t < u.ntok; ++t) {
+    char* dst = static_cast<char*>(p.out) + ((qstart + u.tok0 + t) * p.heads + u.kvh * g) * d * elem;
+    from_float(rows_out + t * g * d, p.q_bf16, g * d, dst);
+  }
+}
+
+void plan(const Problem& p, const int64_t* seqs, int64_t num_seqs, std::vector<Unit>& units, std::vector<Item>& items) {
+  const int64_t tokens_per_unit = std::max<int64_t>(1, kRowsTarget / p.group);
+  double total = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t s = seqs[i], qlen = p.query_start[s + 1] - p.query_start[s], slen = p.seq_lens[s];
+    for (int64_t tok0 = 0; tok0 < qlen; tok0 += tokens_per_unit) {
+      const int64_t ntok = std::min(tokens_per_unit, qlen - tok0);
+      const int64_t first = slen - qlen + tok0, last = first + ntok - 1;
+      const int64_t lo = p.window ? std::max<int64_t>(0, first - p.window + 1) : 0;
+      for (int64_t h = 0; h < p.kv_heads; ++h) {
+        units.push_back({s, h, tok0, ntok, lo, last + 1, 1, 0});
+        total += static_cast<double>(ntok) * (last + 1 - lo);
+      }
+    }
+  }
+  // Split a unit when it alone is more than 1/8 of a thread's share of the step.
+  const double share = total / (8.0 * std::max(1, at::get_num_threads()));
+  for (auto& u : units) {
+    const int64_t keys = u.hi - u.lo;
+    const double work = static_cast<double>(u.ntok) * keys;
+    int64_t parts = std::min<int64_t>(keys / kMinSplit, static_cast<int64_t>(std::ceil(work / std::max(share, 1.0))));
+    parts = std::max<int64_t>(parts, 1);
+    const int64_t len = ((keys + parts - 1) / parts + kTile - 1) / kTile * kTile;
+    u.nsplit = (keys + len - 1) / len;
+    u.first_item = static_cast<int64_t>(items.size());
+    for (int64_t k = u.lo; k < u.hi; k += len) items.push_back({static_cast<int64_t>(&u - units.data()), k, std::min(u.hi, k + len)});
+  }
+}
+
+void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& query_start,
+                         const at::Tensor& seq_lens, const at::Tensor& seqs, double scale, int64_t window,
+                         double softcap) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [T, H, D] with contiguous rows");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "out: contiguous, shaped and typed like query");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache, v_cache: contiguous [blocks, block_size, Hkv, D] of one dtype");
+  const auto qt = query.scalar_type(), kt = k_cache.scalar_type();
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16, "query: float32 or bfloat16");
+  TORCH_CHECK(kt == at::kFloat || kt == at::kBFloat16, "KV cache: float32 or bfloat16");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && query_start.is_contiguous() &&
+                  seq_lens.is_contiguous() && seqs.is_contiguous() && query_start.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong && seqs.scalar_type() == at::kLong,
+              "block tables, query starts, sequence lengths, sequence ids: contiguous int64");
+  const int64_t heads = query.size(1), kv_heads = k_cache.size(2), d = query.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == d, "query heads must be a multiple of KV heads, same D");
+  Problem p{query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr<int64_t>(), query_start.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+            query.stride(0), query.stride(1), block_tables.size(1), k_cache.size(1), kv_heads, heads / kv_heads, d,
+            heads, static_cast<float>(scale), static_cast<float>(softcap), window, qt == at::kBFloat16,
+            kt == at::kBFloat16};
+  std::vector<Unit> units;
+  std::vector<Item> items;
+  plan(p, seqs.data_ptr<int64_t>(), seqs.numel(), units, items);
+  const int64_t max_rows = std::max<int64_t>(kRowsTarget, p.group) + p.group;
+  const int64_t part = max_rows * (d + 2);  // m, l, acc of one item
+  std::vector<float> partials;
+  std::vector<int64_t> slot(items.size(), -1);
+  int64_t num_slots = 0;
+  for (size_t i = 0; i < items.size(); ++i)
+    if (units[items[i].unit].nsplit > 1) slot[i] = num_slots++;
+  partials.resize(num_slots * part);
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch sc(max_rows, d);
+    std::vector<float> local(part);
+    for (int64_t i = begin; i < end; ++i) {
+      const Unit& u = units[items[i].unit];
+      const int64_t rows = u.ntok * p.group;
+      float* buf = slot[i] >= 0 ? partials.data() + slot[i] * part : local.data();
+      float *m = buf, *l = buf + max_rows, *acc = buf + 2 * max_rows;
+      run_item(p, u, items[i].k0, items[i].k1, sc, m, l, acc);
+      if (slot[i] >= 0) continue;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < d; ++j) acc[r * d + j] /= l[r];
+      write_rows(p, u, acc);
+    }
+  });
+
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(max_rows * d);
+    for (int64_t ui = begin; ui < end; ++ui) {
+      const Unit& u = units[ui];
+      if (u.nsplit == 1) continue;
+      const int64_t rows = u.ntok * p.group;
+      for (int64_t r = 0; r < rows; ++r) {
+        float big = kNegInf;
+        for (int64_t s = 0; s < u.nsplit; ++s) big = std::max(big, partials[slot[u.first_item + s] * part + r]);
+        float denom = 0.f;
+        float* o = merged.data() + r * d;
+        std::fill(o, o + d, 0.f);
+        for (int64_t s = 0; s < u.nsplit; ++s) {
+          const float* buf = partials.data() + slot[u.first_item + s] * part;
+          if (buf[r] == kNegInf) continue;
+          const float w = std::exp(buf[r] - big);
+          denom += w * buf[max_rows + r];
+          const float* acc = buf + 2 * max_rows + r * d;
+          for (int64_t j = 0; j < d; ++j) o[j] += w * acc[j];
+        }
+        for (int64_t j = 0; j < d; ++j) o[j] /= denom;
+      }
+      write_rows(p, u, merged.data());
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvpool_attn, m) {
+  m.def("paged_attention_out(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_start, Tensor seq_lens, Tensor seqs, float scale, int window, float softcap) -> ()");
+}
+TORCH_LIBRARY_IMPL(kvpool_attn, CPU, m) { m.impl("paged_attention_out", paged_attention_out); }
