@@ -23,7 +23,9 @@ import torch
 from tokenizers import Tokenizer as FastTokenizer
 from torch import Tensor
 
-from kvpool.engine.models.llama import LlamaForCausal, ModelConfig, rope_inv_freq
+from kvpool.engine.models.config import ModelConfig, rope_inv_freq
+from kvpool.engine.models.hf_config import hf_config_to_model_config
+from kvpool.engine.models.llama import LlamaForCausal
 from kvpool.engine.tokenizer import Tokenizer
 from kvpool.errors import ConfigError
 
@@ -73,9 +75,13 @@ def load_model(
         model = LlamaForCausal(config)
     model = model.to_empty(device="cpu")
     model.rotary.set_inv_freq(rope_inv_freq(config))
+    if model.local_rotary is not None:
+        model.local_rotary.set_inv_freq(rope_inv_freq(config, local=True))
     model.load_weights(weights)
     model = model.to(device=device, dtype=dtype).eval()
-    model.rotary.cos, model.rotary.sin = model.rotary.cos.float(), model.rotary.sin.float()
+    for rotary in (model.rotary, model.local_rotary):
+        if rotary is not None:
+            rotary.cos, rotary.sin = rotary.cos.float(), rotary.sin.float()
     name = f"{path.stem}-{config.fingerprint()}"
     logger.info(
         "loaded %s (%.1fM params, %s) in %.1fs",
@@ -106,38 +112,6 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]],
             yield from load_file(f).items()
 
     return config, weights(), Tokenizer.from_hf_dir(path, config.eos_token_ids)
-
-
-def hf_config_to_model_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
-    arch = cfg.get("model_type", "llama")
-    if arch not in ("llama", "mistral", "qwen2"):
-        raise ConfigError(f"model_type {arch!r} unsupported; expected llama, mistral or qwen2")
-    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    heads = cfg["num_attention_heads"]
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    return ModelConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        rope_scaling_type=rope_type,
-        rope_scaling_factor=float(rope.get("factor", 1.0)),
-        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
-    )
 
 
 # --- GGUF -----------------------------------------------------------------------------------
@@ -186,9 +160,7 @@ def _read_gguf_cached(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tens
     cache = gguf_cache_dir(path)
     if (cache / "done").is_file():
         meta = json.loads((cache / "model.json").read_text())
-        config = ModelConfig(
-            **{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])}
-        )
+        config = ModelConfig.from_dict(meta["config"])
         tokenizer = Tokenizer(
             FastTokenizer.from_file(str(cache / "tokenizer.json")),
             config.eos_token_ids,
