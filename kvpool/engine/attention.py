@@ -5,6 +5,10 @@ read a block another sequence of the same batch has just written (shared prefix 
 CPU path: decode rows (one new token) run as one batched gather + SDPA; each prefill chunk runs
 its own SDPA (fresh prompts straight on the new K/V, chunks with cached context on gathered
 blocks). CUDA path: a small Triton kernel when triton is importable.
+
+Sliding window W (HF transformers' `sliding_window`, Mistral / Gemma 2 / Gemma 3): a query at
+position p sees key positions k with p - W < k <= p, i.e. W keys counting itself. Logit softcap
+c (Gemma 2): scores s = scale * q.k become c * tanh(s / c) before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -54,7 +58,35 @@ class AttentionMetadata:
     decode_block_ids: Tensor  # [Sd * decode_blocks] their block ids, flattened
     decode_blocks: int  # blocks gathered per decode row
     decode_mask: Tensor  # [Sd, 1, 1, decode_blocks * block_size] additive: 0 in context, -inf past it
+    decode_seq_lens: Tensor  # [Sd] context length of each decode row
     prefills: list[PrefillChunk] = field(default_factory=list)
+    windowed_masks: dict = field(default_factory=dict)  # (what, window) -> mask, built once per step
+
+    def decode_mask_for(self, window: int | None) -> Tensor:
+        """The decode mask that also hides keys at or before position seq_len - 1 - window."""
+        if window is None:
+            return self.decode_mask
+        key = ("decode", window)
+        if key not in self.windowed_masks:
+            span = self.decode_mask.shape[-1]
+            lens = self.decode_seq_lens.unsqueeze(1)
+            ar = torch.arange(span, device=lens.device)
+            allowed = (ar < lens) & (ar >= lens - window)
+            self.windowed_masks[key] = _additive(allowed).view(-1, 1, 1, span)
+        return self.windowed_masks[key]
+
+    def chunk_mask_for(self, index: int, window: int | None) -> Tensor | None:
+        """Prefill chunk `index`'s mask [qlen, seq_len]; None means plain causal over new K/V."""
+        chunk = self.prefills[index]
+        if window is None or window >= chunk.seq_len:
+            return chunk.mask
+        key = (index, window)
+        if key not in self.windowed_masks:
+            s, q = chunk.seq_len, chunk.end - chunk.start
+            keys = torch.arange(s, device=self.seq_lens.device).unsqueeze(0)
+            pos = torch.arange(s - q, s, device=self.seq_lens.device).unsqueeze(1)
+            self.windowed_masks[key] = _additive((keys <= pos) & (pos - keys < window))
+        return self.windowed_masks[key]
 
     @property
     def num_decodes(self) -> int:
@@ -131,12 +163,13 @@ class AttentionMetadata:
             decode_block_ids=bt_t[dec_t, :dec_blocks].reshape(-1).to(device),
             decode_blocks=dec_blocks,
             decode_mask=dec_mask.to(device),
+            decode_seq_lens=s_t[dec_t].to(device),
             prefills=prefills,
         )
 
 
 def _additive(allowed: Tensor) -> Tensor:
-    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _mask_for(mask: Tensor | None, query: Tensor) -> Tensor | None:
@@ -159,18 +192,44 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     new_kv: tuple[Tensor, Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """[T, H, D] attention output. `new_kv` (this step's K/V rows) lets fresh prompts skip the
-    gather; results are the same without it."""
-    if query.is_cuda and _triton_usable(k_cache, meta.block_size):
+    gather; results are the same without it. `window` / `softcap`: see the module docstring."""
+    _check_window_softcap(window, softcap)
+    if query.is_cuda and window is None and softcap is None and _triton_usable(k_cache, meta.block_size):
         return _triton_paged_attention(query, k_cache, v_cache, meta, scale)
+    return torch_paged_attention(query, k_cache, v_cache, meta, scale, new_kv, window, softcap)
+
+
+def _check_window_softcap(window: int | None, softcap: float | None) -> None:
+    if window is not None and window < 1:
+        raise InvalidRequest(f"sliding window must be >= 1 token, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise InvalidRequest(f"attention softcap must be > 0, got {softcap}")
+
+
+def torch_paged_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    new_kv: tuple[Tensor, Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """The reference path: torch ops only (gathers whole contexts; decode rows padded to the
+    longest one). Also what runs where the native kernel cannot be built."""
     if not meta.prefills:  # decode-only step: rows are the decode rows, in order
-        return _decode_attention(query, k_cache, v_cache, meta, scale)
+        return _decode_attention(query, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(query)
     if meta.num_decodes:
-        out[meta.decode_rows] = _decode_attention(query, k_cache, v_cache, meta, scale)
-    for chunk in meta.prefills:
+        out[meta.decode_rows] = _decode_attention(query, k_cache, v_cache, meta, scale, window, softcap)
+    for index, chunk in enumerate(meta.prefills):
         q = query[chunk.start : chunk.end].transpose(0, 1)  # [H, q, D]
+        mask = meta.chunk_mask_for(index, window)
         if chunk.mask is None and new_kv is not None:
             k = new_kv[0][chunk.start : chunk.end].transpose(0, 1)
             v = new_kv[1][chunk.start : chunk.end].transpose(0, 1)
@@ -178,18 +237,28 @@ def paged_attention(
             blocks = meta.block_tables[chunk.seq, : chunk.num_blocks]
             k = _gather(k_cache, blocks, chunk.seq_len)
             v = _gather(v_cache, blocks, chunk.seq_len)
-        # 4-D inputs take SDPA's fused CPU kernel; 3-D ones fall back to a slower path.
-        o = F.scaled_dot_product_attention(
-            q[None],
-            k[None],
-            v[None],
-            attn_mask=_mask_for(chunk.mask, q),
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+        out[chunk.start : chunk.end] = _attend(q[None], k[None], v[None], mask, scale, softcap)[0].transpose(0, 1)
     return out
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
+    """q [B, H, M, D] over k, v [B, Hkv, N, D]; mask additive [.., M, N] or None for causal."""
+    if softcap is None:
+        # 4-D inputs take SDPA's fused CPU kernel; 3-D ones fall back to a slower path.
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=_mask_for(mask, q), is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    # SDPA cannot softcap: explicit scores in fp32, the query heads of one KV head side by side.
+    b, h, m, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    qf = q.float().view(b, hkv, h // hkv, m, d)
+    scores = qf @ k.float().unsqueeze(2).transpose(-1, -2) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        mask = _additive(torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m))
+    scores = scores + (mask.unsqueeze(1) if mask.dim() == 4 else mask).float()  # [B, 1, 1, M, N] or [M, N]
+    out = scores.softmax(-1) @ v.float().unsqueeze(2)
+    return out.view(b, h, m, d).to(q.dtype)
 
 
 def _gather(cache: Tensor, blocks: Tensor, length: int) -> Tensor:
@@ -199,7 +268,13 @@ def _gather(cache: Tensor, blocks: Tensor, length: int) -> Tensor:
 
 
 def _decode_attention(
-    query: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
 ) -> Tensor:
     """One query row per sequence, batched over sequences with a validity mask."""
     num, (hkv, d) = meta.num_decodes, k_cache.shape[-2:]
@@ -210,7 +285,7 @@ def _decode_attention(
     group = query.shape[1] // hkv
     q = query if not meta.prefills else query.index_select(0, meta.decode_rows)
     q = q.view(num, hkv, group, d)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_for(meta.decode_mask, q), scale=scale)
+    o = _attend(q, k, v, meta.decode_mask_for(window), scale, softcap)
     return o.reshape(num, hkv * group, d)
 
 

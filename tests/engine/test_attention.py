@@ -16,20 +16,38 @@ H, HKV, D = 6, 2, 16
 
 
 def contiguous_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [n, H, D] are the last n positions of a context k, v [L, HKV, D]; causal, GQA by repeat."""
+    """q [n, H, D] are the last n positions of a context k, v [L, HKV, D]; causal, GQA by repeat.
+    Window and softcap written as HF transformers does (masking_utils.sliding_window_overlay:
+    kv_idx > q_idx - sliding_window; Gemma 2's eager attention: tanh before the mask)."""
     n, length = q.shape[0], k.shape[0]
-    k = k.repeat_interleave(H // HKV, dim=1)
-    v = v.repeat_interleave(H // HKV, dim=1)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    allowed = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    kv_idx, q_idx = torch.arange(length)[None, :], torch.arange(length - n, length)[:, None]
+    allowed = kv_idx <= q_idx
+    if window is not None:
+        allowed &= kv_idx > q_idx - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def run_case(
-    cached: list[int], new: list[int], block_size: int, seed: int, use_new_kv: bool = True
+    cached: list[int],
+    new: list[int],
+    block_size: int,
+    seed: int,
+    use_new_kv: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
 ):
     """Max abs diff between paged and contiguous attention for sequences with `cached` tokens
     already in the cache and `new` tokens arriving this step."""
@@ -57,10 +75,11 @@ def run_case(
     write_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
     scale = 1 / math.sqrt(D)
     out = paged_attention(
-        torch.cat(qs), k_cache, v_cache, meta, scale, new_kv=(new_k, new_v) if use_new_kv else None
+        torch.cat(qs), k_cache, v_cache, meta, scale, new_kv=(new_k, new_v) if use_new_kv else None,
+        window=window, softcap=softcap,
     )
     ref = torch.cat(
-        [contiguous_attention(q, k, v, scale) for q, k, v in zip(qs, ks, vs, strict=True)]
+        [contiguous_attention(q, k, v, scale, window, softcap) for q, k, v in zip(qs, ks, vs, strict=True)]
     )
     return (out - ref).abs().max().item()
 
@@ -71,6 +90,34 @@ def test_paged_equals_contiguous_on_mixed_prefill_chunks_and_decodes(block_size,
     cached = [0, 37, 0, 5, 120, 0, 64, 3]  # fresh prompts, chunks after cached context, decodes
     new = [23, 11, 1, 1, 1, 9, 1, 70]
     assert run_case(cached, new, block_size, seed=block_size, use_new_kv=use_new_kv) <= 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 64, 500])
+@pytest.mark.parametrize("softcap", [None, 0.5, 50.0])
+@pytest.mark.parametrize("use_new_kv", [True, False])
+def test_window_and_softcap_match_the_hf_convention(window, softcap, use_new_kv):
+    cached = [0, 37, 0, 5, 120, 0, 64, 3]
+    new = [23, 11, 1, 1, 1, 9, 1, 70]
+    err = run_case(cached, new, 16, seed=3, use_new_kv=use_new_kv, window=window, softcap=softcap)
+    assert err <= 1e-5
+
+
+def test_window_one_attends_to_the_token_itself_only():
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(4, 4, HKV, D, generator=gen), torch.randn(4, 4, HKV, D, generator=gen)
+    meta = AttentionMetadata.build([5, 1], [5, 3], [[0, 1], [2]], 4)
+    out = paged_attention(torch.randn(6, H, D, generator=gen), k_cache, v_cache, meta, 0.25, window=1)
+    v_rows = v_cache.view(-1, HKV, D)[meta.slot_mapping].repeat_interleave(H // HKV, dim=1)
+    assert torch.allclose(out, v_rows, atol=1e-6)
+
+
+def test_bad_window_and_softcap_are_refused():
+    meta = AttentionMetadata.build([1], [1], [[0]], 4)
+    cache = torch.zeros(1, 4, HKV, D)
+    with pytest.raises(InvalidRequest, match="window"):
+        paged_attention(torch.zeros(1, H, D), cache, cache, meta, 1.0, window=0)
+    with pytest.raises(InvalidRequest, match="softcap"):
+        paged_attention(torch.zeros(1, H, D), cache, cache, meta, 1.0, softcap=-1.0)
 
 
 @settings(max_examples=25, deadline=None)
