@@ -118,12 +118,7 @@ class ModelConfig:
 
 
 _LLAMA_FIELDS = frozenset(
-    (
-        "vocab_size hidden_size intermediate_size num_layers num_heads num_kv_heads head_dim "
-        "rope_theta rms_norm_eps max_position_embeddings tie_word_embeddings qkv_bias "
-        "bos_token_id eos_token_ids rope_scaling_type rope_scaling_factor rope_low_freq_factor "
-        "rope_high_freq_factor rope_original_max_position"
-    ).split()
+    ["vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "qkv_bias", "bos_token_id", "eos_token_ids", "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position"]
 )
 
 
