@@ -117,8 +117,9 @@ class ModelConfig:
         return hashlib.sha256(repr(sorted(items.items())).encode()).hexdigest()[:10]
 
 
+# The fields ModelConfig had before the feature fields; only these enter every fingerprint.
 _LLAMA_FIELDS = frozenset(
-    ["vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "qkv_bias", "bos_token_id", "eos_token_ids", "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position"]
+    f.name for f in fields(ModelConfig)[: [f.name for f in fields(ModelConfig)].index("architecture")]
 )
 
 

@@ -14,12 +14,32 @@ from typing import Any
 from kvpool.engine.models.config import ACTIVATIONS, ModelConfig
 from kvpool.errors import ConfigError
 
+
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
 # Keys that never change what a forward pass in eval mode computes.
-_INERT = frozenset(
-    ["architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "name_or_path", "output_hidden_states", "output_attentions", "return_dict", "use_return_dict", "use_cache", "torchscript", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "problem_type", "id2label", "label2id", "initializer_range", "pad_token_id", "sep_token_id", "decoder_start_token_id", "attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob", "tokenizer_class", "pruned_heads", "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size", "task_specific_params", "finetuning_task", "prefix", "tf_legacy_loss", "use_bfloat16", "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "_attn_implementation_autoset", "_attn_implementation", "attn_implementation", "pretraining_tp", "cache_implementation", "auto_map", "keys_to_ignore_at_inference"]
+_INERT = _words(
+    "architectures model_type transformers_version torch_dtype dtype _name_or_path "
+    "name_or_path output_hidden_states output_attentions return_dict use_return_dict "
+    "use_cache torchscript chunk_size_feed_forward is_encoder_decoder is_decoder problem_type "
+    "id2label label2id initializer_range pad_token_id sep_token_id decoder_start_token_id "
+    "attention_dropout resid_pdrop embd_pdrop hidden_dropout hidden_dropout_prob "
+    "attention_probs_dropout_prob tokenizer_class pruned_heads tie_encoder_decoder "
+    "add_cross_attention cross_attention_hidden_size task_specific_params finetuning_task "
+    "prefix tf_legacy_loss use_bfloat16 max_length min_length do_sample early_stopping "
+    "num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p "
+    "repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size "
+    "bad_words_ids num_return_sequences output_scores return_dict_in_generate "
+    "forced_bos_token_id forced_eos_token_id remove_invalid_values "
+    "exponential_decay_length_penalty suppress_tokens begin_suppress_tokens "
+    "_attn_implementation_autoset _attn_implementation attn_implementation pretraining_tp "
+    "cache_implementation auto_map keys_to_ignore_at_inference"
 )
-_ROPE_KEYS = frozenset(
-    ["rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "partial_rotary_factor"]
+_ROPE_KEYS = _words(
+    "rope_type type rope_theta factor low_freq_factor high_freq_factor "
+    "original_max_position_embeddings partial_rotary_factor"
 )
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 
@@ -38,7 +58,7 @@ class Arch:
     default_pattern: int = 0  # Gemma: every n-th layer is full attention when layer_types is absent
 
 
-_COMMON = frozenset(["head_dim", "rope_theta", "rope_scaling", "rope_parameters"])
+_COMMON = _words("head_dim rope_theta rope_scaling rope_parameters")
 ARCHS: dict[str, Arch] = {
     "llama": Arch(_COMMON | {"attention_bias", "mlp_bias"}),
     "mistral": Arch(_COMMON | {"sliding_window"}, qkv_bias=None, o_bias=False, windows="all"),
@@ -70,8 +90,10 @@ ARCHS: dict[str, Arch] = {
         qkv_bias=None, o_bias=False, windows="all",
     ),
 }
-_SHAPE_KEYS = frozenset(
-    ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "hidden_act", "hidden_activation"]
+_SHAPE_KEYS = _words(
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads "
+    "num_key_value_heads rms_norm_eps max_position_embeddings tie_word_embeddings "
+    "bos_token_id eos_token_id hidden_act hidden_activation"
 )
 
 
