@@ -24,6 +24,8 @@ from tokenizers import Tokenizer as FastTokenizer
 from torch import Tensor
 
 from kvpool.engine.models.config import ModelConfig, rope_inv_freq
+from kvpool.engine.models.gguf_config import gguf_model_config
+from kvpool.engine.models.gguf_file import GGUFFile, GGUFTensor
 from kvpool.engine.models.hf_config import hf_config_to_model_config
 from kvpool.engine.models.llama import LlamaForCausal
 from kvpool.engine.tokenizer import Tokenizer
@@ -127,6 +129,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's sandwich: llama.cpp's ffn_norm is the norm before the MLP there.
+_GGUF_GEMMA_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -196,67 +207,48 @@ def _mkdirs(path: Path) -> bool:
 
 
 def _read_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    meta = gguf_fields(reader)
-    arch = meta["general.architecture"]
-    if arch not in ("llama", "qwen2"):
-        raise ConfigError(f"GGUF architecture {arch!r} unsupported; expected llama or qwen2")
-    names = {t.name for t in reader.tensors}
-    config = _gguf_config(meta, arch, names)
+    file = GGUFFile(path)
+    meta = file.fields
+    config = gguf_model_config(meta, {t.name for t in file.tensors})
     tokenizer = Tokenizer.from_gguf_metadata(meta, config.eos_token_ids)
+    arch = meta["general.architecture"]
+    layer_names = _GGUF_GEMMA_NAMES if config.norm_offset else _GGUF_LAYER_NAMES
 
     def weights() -> Iterator[tuple[str, Tensor]]:
-        for t in reader.tensors:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-            array = np.array(data, dtype=np.float32, order="C", copy=not data.flags.writeable)
-            tensor = torch.from_numpy(array).reshape([int(n) for n in reversed(t.shape)])
+        for t in file.tensors:
+            tensor = torch.from_numpy(_dequantize(t)).reshape([int(n) for n in reversed(t.shape)])
             if tensor.shape[-1] == 1 and tensor.dim() > 1:
                 tensor = tensor.reshape(tensor.shape[:-1])
             if arch == "llama":
                 tensor = _unpermute(t.name, tensor, config)
-            yield _gguf_hf_name(t.name), tensor
+            if config.norm_offset and t.name.endswith("norm.weight"):
+                tensor = tensor - 1  # llama.cpp stores Gemma's (1 + w); the model adds the 1
+            yield _gguf_hf_name(t.name, layer_names), tensor
 
     return config, weights(), tokenizer
 
 
-def _gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> ModelConfig:
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default)
+def _dequantize(t: GGUFTensor) -> np.ndarray:
+    """Float32 values of a tensor of any type the `gguf` package reads (F32, F16, BF16, Q8_0,
+    Q4_0/1, Q5_0/1, Q2_K..Q6_K, ...)."""
+    import gguf
 
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=int(get("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(get("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        rope_scaling_type="linear" if get("rope.scaling.type") == "linear" else "default",
-        rope_scaling_factor=float(get("rope.scaling.factor", 1.0) or 1.0),
-    )
+    try:
+        data = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.qtype))
+    except (NotImplementedError, ValueError) as e:
+        raise ConfigError(f"GGUF tensor {t.name!r}: type {t.qtype} cannot be dequantized ({e})") from e
+    return np.array(data, dtype=np.float32, order="C", copy=not data.flags.writeable)
 
 
-def _gguf_hf_name(name: str) -> str:
+def _gguf_hf_name(name: str, layer_names: dict[str, str]) -> str:
     parts = name.split(".")
     if parts[0] == "blk":
         layer, base, kind = parts[1], parts[2], parts[3]
-        if base not in _GGUF_LAYER_NAMES:
-            raise ConfigError(f"GGUF tensor {name!r} unknown to the Llama loader")
-        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[base]}.{kind}"
+        if base not in layer_names:
+            raise ConfigError(f"GGUF tensor {name!r} unknown to the loader")
+        return f"model.layers.{layer}.{layer_names[base]}.{kind}"
     if parts[0] not in _GGUF_TOP_NAMES:
-        raise ConfigError(f"GGUF tensor {name!r} unknown to the Llama loader")
+        raise ConfigError(f"GGUF tensor {name!r} unknown to the loader")
     return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
 
 
