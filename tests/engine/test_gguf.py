@@ -178,3 +178,95 @@ def test_gemma3_gguf_greedy_equals_transformers_live(gemma3, gemma3_path):
         with torch.no_grad():
             out = hf.eval().generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
         assert out[0, len(ids):].tolist() == g["greedy"], prompt
+
+
+# --- a tiny Llama GGUF with a SentencePiece vocabulary, written here ---------------------
+
+_PIECES = ["\u2581", *"abcdefghijklmnopqrstuvwxyz", "\u2581t", "he", "\u2581the", "\u2581a", "in", "\u2581in",
+           "er", "on", "\u2581c", "at", "\u2581cat", "\u2581s", "\u2581sat", "\u2581on", "\u2581\u2581", ",", "."]
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's layout of Llama Q/K rows: each head's rotary halves interleaved into pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def tiny_spm_gguf(tmp_path_factory) -> Path:
+    """A random Llama in GGUF: SentencePiece vocabulary (byte fallback, space prefix), weights in
+    F32, F16, BF16, Q8_0, Q4_1 and Q5_0."""
+    transformers = pytest.importorskip("transformers")
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *_PIECES]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(_PIECES)]
+    heads, kv_heads = 4, 2
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.1)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("spm") / "tiny-llama.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_block_count(2)
+    w.add_feed_forward_length(128)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    kinds = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1, Q.Q5_0]
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for i, (name, tensor) in enumerate(hf.state_dict().items()):
+        parts = name.removeprefix("model.").removesuffix(".weight").split(".")
+        if parts[0] == "layers":
+            base = ".".join(parts[2:])
+            gname = f"blk.{parts[1]}.{layer[base]}.weight"
+            if base in ("self_attn.q_proj", "self_attn.k_proj"):
+                tensor = _permute(tensor, heads if "q_proj" in base else kv_heads)
+        else:
+            gname = f"{names[parts[0]]}.weight"
+        values = tensor.numpy().astype(np.float32)
+        if values.ndim == 1:
+            w.add_tensor(gname, values)
+            continue
+        kind = kinds[i % len(kinds)]
+        data = values.astype(np.float16) if kind == Q.F16 else gguf.quants.quantize(values, kind)
+        w.add_tensor(gname, data, raw_dtype=None if kind == Q.F16 else kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_tiny_sentencepiece_gguf_matches_transformers_on_the_same_file(tiny_spm_gguf, monkeypatch, tmp_path):
+    """Tokens (space prefix, merges, byte fallback for characters not in the vocabulary) and
+    prompt logits within 1e-4 of transformers loading the same GGUF."""
+    from test_model_reference import PagedSequence
+
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    ours = load_model(tiny_spm_gguf, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kw = dict(gguf_file=tiny_spm_gguf.name)
+        tok = transformers.AutoTokenizer.from_pretrained(tiny_spm_gguf.parent, **kw)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_spm_gguf.parent, dtype=torch.float32, **kw)
+    for text in ["the cat sat on the mat", "  the  cat", "Über 7 cats, é.", "in a hat\n", "cat\tat"]:
+        ids = ours.tokenizer.encode(text)
+        assert ids == tok(text)["input_ids"], text
+        assert ours.tokenizer.decode(ids) == tok.decode(ids, skip_special_tokens=True), text
+        with torch.no_grad():
+            ref = hf.eval()(torch.tensor([ids])).logits[0]
+        assert (PagedSequence(ours).step(ids) - ref).abs().max().item() <= 1e-4, text
