@@ -35,8 +35,16 @@ _GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _Q
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 _SPACE = "\u2581"  # SentencePiece's visible space
 _GGUF_TOKENIZER_KEYS = frozenset(
-    ["tokenizer.chat_template", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.seperator_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_sep_token", "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.remove_extra_whitespaces"]  # noqa: SIM905
-)
+    "tokenizer.ggml." + key
+    for key in (  # noqa: SIM905 (a list literal would be 30 lines)
+        "model pre tokens scores token_type merges add_bos_token add_eos_token add_sep_token "
+        "add_space_prefix remove_extra_whitespaces bos_token_id eos_token_id unknown_token_id "
+        "padding_token_id seperator_token_id separator_token_id cls_token_id mask_token_id "
+        "eot_token_id eom_token_id prefix_token_id suffix_token_id middle_token_id "
+        "fim_pre_token_id fim_suf_token_id fim_mid_token_id fim_pad_token_id fim_rep_token_id "
+        "fim_sep_token_id"
+    ).split()
+)  # ids of tokens encoding never inserts (eot, fim, ...) do not change what it computes
 
 
 class Tokenizer:
@@ -120,7 +128,8 @@ class Tokenizer:
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
         for key in meta:
-            if key.startswith("tokenizer.") and key not in _GGUF_TOKENIZER_KEYS:
+            named_template = key.startswith("tokenizer.chat_template")
+            if key.startswith("tokenizer.") and key not in _GGUF_TOKENIZER_KEYS and not named_template:
                 raise ConfigError(f"GGUF metadata {key} is not implemented by the tokenizer")
         for key in ("add_eos_token", "add_sep_token", "remove_extra_whitespaces"):
             if meta.get(f"tokenizer.ggml.{key}", False):

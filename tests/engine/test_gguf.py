@@ -156,7 +156,7 @@ def test_gemma3_gguf_tokens_and_greedy_output_equal_transformers_recorded(gemma3
     for prompt, g in golden.items():
         assert gemma3.tokenizer.encode(prompt) == g["ids"], prompt
     engine = Engine(EngineConfig(dtype="float32", block_size=16, num_blocks=256, max_num_batched_tokens=256,
-                                 max_model_len=2048), loaded=gemma3)
+                                 max_num_seqs=8, max_model_len=2048), loaded=gemma3)
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
     outs = run_all(engine, [g["ids"] for g in golden.values()], params)
     assert [o.outputs[0].token_ids for o in outs] == [g["greedy"] for g in golden.values()]

@@ -14,7 +14,12 @@ from kvpool.engine.models.config import ModelConfig
 from kvpool.errors import ConfigError
 
 _COMMON = frozenset(
-    ["context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size", "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "attention.key_length", "attention.value_length", "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length"]
+    (  # noqa: SIM905 (a list literal would be 15 lines)
+        "context_length embedding_length block_count feed_forward_length vocab_size "
+        "attention.head_count attention.head_count_kv attention.layer_norm_rms_epsilon "
+        "attention.key_length attention.value_length rope.freq_base rope.dimension_count "
+        "rope.scaling.type rope.scaling.factor rope.scaling.original_context_length"
+    ).split()
 )
 GGUF_ARCHS: dict[str, frozenset[str]] = {
     "llama": _COMMON,
