@@ -96,6 +96,7 @@ def test_prompt_logits_match_transformers_within_1e_4(checkpoint):
     for ids in PROMPTS:
         got = PagedSequence(ours).step(ids)
         assert (got - _hf_logits(hf, ids)).abs().max().item() <= 1e-4, (name, ids)
+    assert ours.config.num_parameters() == sum(p.numel() for p in hf.parameters()), name
 
 
 def test_chunked_prefill_and_decode_steps_match_transformers(checkpoint):
