@@ -23,7 +23,11 @@ import torch
 from tokenizers import Tokenizer as FastTokenizer
 from torch import Tensor
 
-from kvpool.engine.models.llama import LlamaForCausal, ModelConfig, rope_inv_freq
+from kvpool.engine.models.config import ModelConfig, rope_inv_freq
+from kvpool.engine.models.gguf_config import gguf_model_config
+from kvpool.engine.models.gguf_file import GGUFFile, GGUFTensor
+from kvpool.engine.models.hf_config import hf_config_to_model_config
+from kvpool.engine.models.llama import LlamaForCausal
 from kvpool.engine.tokenizer import Tokenizer
 from kvpool.errors import ConfigError
 
@@ -73,9 +77,13 @@ def load_model(
         model = LlamaForCausal(config)
     model = model.to_empty(device="cpu")
     model.rotary.set_inv_freq(rope_inv_freq(config))
+    if model.local_rotary is not None:
+        model.local_rotary.set_inv_freq(rope_inv_freq(config, local=True))
     model.load_weights(weights)
     model = model.to(device=device, dtype=dtype).eval()
-    model.rotary.cos, model.rotary.sin = model.rotary.cos.float(), model.rotary.sin.float()
+    for rotary in (model.rotary, model.local_rotary):
+        if rotary is not None:
+            rotary.cos, rotary.sin = rotary.cos.float(), rotary.sin.float()
     name = f"{path.stem}-{config.fingerprint()}"
     logger.info(
         "loaded %s (%.1fM params, %s) in %.1fs",
@@ -108,38 +116,6 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]],
     return config, weights(), Tokenizer.from_hf_dir(path, config.eos_token_ids)
 
 
-def hf_config_to_model_config(cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
-    arch = cfg.get("model_type", "llama")
-    if arch not in ("llama", "mistral", "qwen2"):
-        raise ConfigError(f"model_type {arch!r} unsupported; expected llama, mistral or qwen2")
-    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    heads = cfg["num_attention_heads"]
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    return ModelConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        rope_scaling_type=rope_type,
-        rope_scaling_factor=float(rope.get("factor", 1.0)),
-        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
-    )
-
-
 # --- GGUF -----------------------------------------------------------------------------------
 
 _GGUF_LAYER_NAMES = {
@@ -152,6 +128,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's sandwich: llama.cpp's ffn_norm is the norm before the MLP there.
+_GGUF_GEMMA_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -186,9 +171,7 @@ def _read_gguf_cached(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tens
     cache = gguf_cache_dir(path)
     if (cache / "done").is_file():
         meta = json.loads((cache / "model.json").read_text())
-        config = ModelConfig(
-            **{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])}
-        )
+        config = ModelConfig.from_dict(meta["config"])
         tokenizer = Tokenizer(
             FastTokenizer.from_file(str(cache / "tokenizer.json")),
             config.eos_token_ids,
@@ -224,67 +207,48 @@ def _mkdirs(path: Path) -> bool:
 
 
 def _read_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    meta = gguf_fields(reader)
-    arch = meta["general.architecture"]
-    if arch not in ("llama", "qwen2"):
-        raise ConfigError(f"GGUF architecture {arch!r} unsupported; expected llama or qwen2")
-    names = {t.name for t in reader.tensors}
-    config = _gguf_config(meta, arch, names)
+    file = GGUFFile(path)
+    meta = file.fields
+    config = gguf_model_config(meta, {t.name for t in file.tensors})
     tokenizer = Tokenizer.from_gguf_metadata(meta, config.eos_token_ids)
+    arch = meta["general.architecture"]
+    layer_names = _GGUF_GEMMA_NAMES if config.norm_offset else _GGUF_LAYER_NAMES
 
     def weights() -> Iterator[tuple[str, Tensor]]:
-        for t in reader.tensors:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-            array = np.array(data, dtype=np.float32, order="C", copy=not data.flags.writeable)
-            tensor = torch.from_numpy(array).reshape([int(n) for n in reversed(t.shape)])
+        for t in file.tensors:
+            tensor = torch.from_numpy(_dequantize(t)).reshape([int(n) for n in reversed(t.shape)])
             if tensor.shape[-1] == 1 and tensor.dim() > 1:
                 tensor = tensor.reshape(tensor.shape[:-1])
             if arch == "llama":
                 tensor = _unpermute(t.name, tensor, config)
-            yield _gguf_hf_name(t.name), tensor
+            if config.norm_offset and t.name.endswith("norm.weight"):
+                tensor = tensor - 1  # llama.cpp stores Gemma's (1 + w); the model adds the 1
+            yield _gguf_hf_name(t.name, layer_names), tensor
 
     return config, weights(), tokenizer
 
 
-def _gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> ModelConfig:
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default)
+def _dequantize(t: GGUFTensor) -> np.ndarray:
+    """Float32 values of a tensor of any type the `gguf` package reads (F32, F16, BF16, Q8_0,
+    Q4_0/1, Q5_0/1, Q2_K..Q6_K, ...)."""
+    import gguf
 
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=int(get("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(get("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        rope_scaling_type="linear" if get("rope.scaling.type") == "linear" else "default",
-        rope_scaling_factor=float(get("rope.scaling.factor", 1.0) or 1.0),
-    )
+    try:
+        data = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.qtype))
+    except (NotImplementedError, ValueError) as e:
+        raise ConfigError(f"GGUF tensor {t.name!r}: type {t.qtype} cannot be dequantized ({e})") from e
+    return np.array(data, dtype=np.float32, order="C", copy=not data.flags.writeable)
 
 
-def _gguf_hf_name(name: str) -> str:
+def _gguf_hf_name(name: str, layer_names: dict[str, str]) -> str:
     parts = name.split(".")
     if parts[0] == "blk":
         layer, base, kind = parts[1], parts[2], parts[3]
-        if base not in _GGUF_LAYER_NAMES:
-            raise ConfigError(f"GGUF tensor {name!r} unknown to the Llama loader")
-        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[base]}.{kind}"
+        if base not in layer_names:
+            raise ConfigError(f"GGUF tensor {name!r} unknown to the loader")
+        return f"model.layers.{layer}.{layer_names[base]}.{kind}"
     if parts[0] not in _GGUF_TOP_NAMES:
-        raise ConfigError(f"GGUF tensor {name!r} unknown to the Llama loader")
+        raise ConfigError(f"GGUF tensor {name!r} unknown to the loader")
     return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
 
 

@@ -1,7 +1,8 @@
 """Tokenizer over the `tokenizers` library, built from an HF tokenizer.json or GGUF metadata,
 with the model's own chat template (jinja2) and a streaming detokenizer.
 
-Serving never imports transformers: a GGUF vocabulary is turned into a byte-level BPE here.
+Serving never imports transformers: a GGUF vocabulary is turned into a `tokenizers` model here,
+a byte-level BPE (`gpt2`) or a SentencePiece BPE with byte fallback (`llama`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,19 @@ _QWEN2_SPLIT = (
 )
 # GGUF `tokenizer.ggml.pre` -> regex split applied before byte-level BPE (None: GPT-2's own).
 _GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+_SPACE = "\u2581"  # SentencePiece's visible space
+_GGUF_TOKENIZER_KEYS = frozenset(
+    "tokenizer.ggml." + key
+    for key in (  # noqa: SIM905 (a list literal would be 30 lines)
+        "model pre tokens scores token_type merges add_bos_token add_eos_token add_sep_token "
+        "add_space_prefix remove_extra_whitespaces bos_token_id eos_token_id unknown_token_id "
+        "padding_token_id seperator_token_id separator_token_id cls_token_id mask_token_id "
+        "eot_token_id eom_token_id prefix_token_id suffix_token_id middle_token_id "
+        "fim_pre_token_id fim_suf_token_id fim_mid_token_id fim_pad_token_id fim_rep_token_id "
+        "fim_sep_token_id"
+    ).split()
+)  # ids of tokens encoding never inserts (eot, fim, ...) do not change what it computes
 
 
 class Tokenizer:
@@ -109,39 +122,29 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], eos_token_ids: Sequence[int]) -> Tokenizer:
-        """Byte-level BPE from `tokenizer.ggml.*`; control tokens become special added tokens."""
+        """`tokenizer.ggml.*` as a fast tokenizer; control tokens become special added tokens,
+        user-defined ones plain added tokens (both matched whole, as llama.cpp does)."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ConfigError(
-                f"GGUF tokenizer {kind!r} unsupported; only byte-level BPE ('gpt2') GGUFs load here, "
-                "use the HF directory for sentencepiece models"
-            )
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        fast = FastTokenizer(
-            models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama3", "llama-bpe"))
-        )
-        split = _GGUF_SPLITS.get(pre)
-        if split is not None:
-            fast.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        elif pre == "smollm":  # GPT-2 split, digits one by one
-            fast.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False),
-                ]
-            )
+        types: list[int] = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+        for key in meta:
+            named_template = key.startswith("tokenizer.chat_template")
+            if key.startswith("tokenizer.") and key not in _GGUF_TOKENIZER_KEYS and not named_template:
+                raise ConfigError(f"GGUF metadata {key} is not implemented by the tokenizer")
+        for key in ("add_eos_token", "add_sep_token", "remove_extra_whitespaces"):
+            if meta.get(f"tokenizer.ggml.{key}", False):
+                raise ConfigError(f"GGUF tokenizer.ggml.{key}=True unsupported")
+        if kind == "gpt2":
+            fast = _byte_level_bpe(meta, tokens)
+        elif kind == "llama":
+            # Gemma files spell tokens made of spaces with real spaces; the text side uses U+2581.
+            tokens = [_SPACE * len(t) if t and set(t) == {" "} else t for t in tokens]
+            fast = _sentencepiece_bpe(meta, tokens, types)
         else:
-            fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        fast.decoder = decoders.ByteLevel()
+            raise ConfigError(
+                f"GGUF tokenizer.ggml.model={kind!r} unsupported; use 'gpt2' (byte-level BPE) or "
+                "'llama' (SentencePiece BPE)"
+            )
         fast.add_special_tokens(
             [
                 AddedToken(t, special=True, normalized=False)
@@ -157,13 +160,79 @@ class Tokenizer:
             ]
         )
         bos = meta.get("tokenizer.ggml.bos_token_id")
-        if bos is not None and meta.get("tokenizer.ggml.add_bos_token", False):
+        # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+        if bos is not None and meta.get("tokenizer.ggml.add_bos_token", kind == "llama"):
             fast.post_processor = processors.TemplateProcessing(
                 single=f"{tokens[bos]} $A",
                 pair=f"{tokens[bos]} $A $B",
                 special_tokens=[(tokens[bos], bos)],
             )
         return cls(fast, eos_token_ids, bos, meta.get("tokenizer.chat_template"))
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> FastTokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    fast = FastTokenizer(
+        models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama3", "llama-bpe"))
+    )
+    split = _GGUF_SPLITS.get(pre)
+    if split is not None:
+        fast.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif pre == "smollm":  # GPT-2 split, digits one by one
+        fast.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False),
+            ]
+        )
+    else:
+        fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    fast.decoder = decoders.ByteLevel()
+    return fast
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> FastTokenizer:
+    """SentencePiece BPE: spaces are U+2581, characters missing from the vocabulary fall back to
+    <0xXX> byte tokens. GGUF stores no merges, so every split of a normal or user-defined token
+    into two vocabulary pieces becomes a merge, ranked by the token's place in the vocabulary
+    (SentencePiece orders pieces best first; Gemma's scores rank its whitespace runs last,
+    which llama.cpp matches whole, so the place is the rank that agrees with both)."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    ranked: list[tuple[int, int, int, str, str]] = []
+    for i, (tok, ty) in enumerate(zip(tokens, types, strict=True)):
+        if ty not in (_NORMAL, _USER_DEFINED):
+            continue
+        for cut in range(1, len(tok)):
+            left, right = vocab.get(tok[:cut]), vocab.get(tok[cut:])
+            if left is not None and right is not None:
+                ranked.append((i, left, right, tok[:cut], tok[cut:]))
+    ranked.sort()
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    fast = FastTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(r[3], r[4]) for r in ranked],
+            unk_token=None if unk is None else tokens[unk],
+            byte_fallback=True,
+            fuse_unk=True,
+        )
+    )
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    fast.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE, prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    fast.decoder = decoders.Sequence(steps)
+    return fast
 
 
 def _token_id(fast: FastTokenizer, token: Any) -> int | None:

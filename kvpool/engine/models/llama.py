@@ -1,16 +1,16 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) over a paged KV cache.
+"""One decoder for the Llama family and its relatives over a paged KV cache.
 
-The model sees flat token batches only: ids, positions, per-layer KV caches and the
-attention metadata. Sequences, sharing and scheduling live above it.
+Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma-2/3 and Phi-3 differ in a handful of named
+features (`ModelConfig`: q/k norms, Gemma's (1 + w) and sandwich norms, embedding scale,
+soft-capping, per-layer sliding windows and rope bases, partial rotary, biases, activation);
+the layers below switch on them. The model sees flat token batches only: ids, positions,
+per-layer KV caches and the attention metadata. Sequences, sharing and scheduling live above it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,65 +18,12 @@ from torch import Tensor, nn
 
 from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from kvpool.engine.kernels import q4_linear_available
+from kvpool.engine.models.config import ModelConfig, rope_inv_freq
 from kvpool.engine.models.quantized import MAX_ROWS as MAX_Q4_ROWS
 from kvpool.engine.models.quantized import Q4Linear, q4_groups
 from kvpool.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Shape and numerics of a Llama-family model; the loader fills it from the checkpoint."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    # Llama 3.1-style rope frequency scaling ("default" | "llama3" | "linear").
-    rope_scaling_type: str = "default"
-    rope_scaling_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if self.rope_scaling_type not in ("default", "llama3", "linear"):
-            raise ConfigError(
-                f"rope scaling {self.rope_scaling_type!r} unsupported; use default, llama3 or linear"
-            )
-
-    def num_parameters(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        if self.qkv_bias:
-            attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_layers * layer + h
-
-    def kv_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
-    def fingerprint(self) -> str:
-        """Short stable hash of the config, used to namespace the prefix cache."""
-        return hashlib.sha256(repr(sorted(asdict(self).items())).encode()).hexdigest()[:10]
 
 
 def allocate_kv_caches(
@@ -112,35 +59,15 @@ def num_blocks_for_budget(
     return int(n)
 
 
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse rotary frequencies, with Llama 3 / linear scaling applied."""
-    d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    if config.rope_scaling_type == "linear":
-        inv = inv / config.rope_scaling_factor
-    elif config.rope_scaling_type == "llama3":
-        low_wl = config.rope_original_max_position / config.rope_low_freq_factor
-        high_wl = config.rope_original_max_position / config.rope_high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wl, inv / config.rope_scaling_factor, inv)
-        smooth = (config.rope_original_max_position / wavelen - config.rope_low_freq_factor) / (
-            config.rope_high_freq_factor - config.rope_low_freq_factor
-        )
-        blended = (1 - smooth) * scaled / config.rope_scaling_factor + smooth * scaled
-        mid = (wavelen >= high_wl) & (wavelen <= low_wl)
-        inv = torch.where(mid, blended, scaled)
-    return inv
-
-
 class Rotary(nn.Module):
     """Cos/sin tables indexed by position, HF's rotate_half convention (halves, not pairs)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
         self.config = config
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.set_inv_freq(rope_inv_freq(config))
+        self.set_inv_freq(rope_inv_freq(config, local))
 
     def set_inv_freq(self, inv_freq: Tensor) -> None:
         pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float64)
@@ -150,7 +77,7 @@ class Rotary(nn.Module):
         self.sin = angles.sin().to(torch.float32).to(device)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """[T, 1, D/2] cos and sin for the given positions."""
+        """[T, 1, R/2] cos and sin for the given positions (R: the rotated dims)."""
         return (
             self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
             self.sin.index_select(0, positions).to(dtype).unsqueeze(1),
@@ -158,18 +85,29 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, heads, D]; rotates first/second halves as HF's rotate_half does."""
+    """x: [T, heads, D]; rotates the first/second halves of the first R dims as HF's
+    rotate_half does; dims past R (partial rotary) pass through."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Llama's RMSNorm (w * normed, cast first); with `offset`, Gemma's ((1 + w) * normed in
+    float32, cast last). Both are one fused op in float32."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.offset:
+            scale = 1.0 + self.weight.float()
+            return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
@@ -178,9 +116,10 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection; rope on Q and K together; KV written to slots, then paged attention."""
+    """Fused QKV projection; optional per-head q/k norms; rope on Q and K together; KV written
+    to slots, then paged attention (windowed and soft-capped where the layer is)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads,
@@ -189,8 +128,16 @@ class LlamaAttention(nn.Module):
         )
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
-        self.scale = config.head_dim**-0.5
+        self.o_proj = nn.Linear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias
+        )
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+        self.qk_norm = config.qk_norm
+        self.scale = config.attn_scale or config.head_dim**-0.5
+        self.window = config.window(layer)
+        self.softcap = config.attn_softcap
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -198,39 +145,69 @@ class LlamaAttention(nn.Module):
         t = meta.num_tokens  # x may carry padding rows past them (see LlamaForCausal.forward)
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)[:t]
-        qk = apply_rotary(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), cos, sin)
+        qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, new_kv=(k, v)).reshape(t, h * d)
+        out = paged_attention(
+            q, k_cache, v_cache, meta, self.scale, new_kv=(k, v),
+            window=self.window, softcap=self.softcap,
+        ).reshape(t, h * d)
         return self.o_proj(pad_rows(out, x.shape[0]))
 
 
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
 class LlamaMLP(nn.Module):
+    """Gated MLP: down(act(gate) * up), gate and up in one projection."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = config.mlp_bias
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Pre-norm residual block; with sandwich norms (Gemma-2/3) the attention and MLP outputs
+    are normed too before they join the residual stream."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps, off, h = config.rms_norm_eps, config.norm_offset, config.hidden_size
+        self.input_layernorm = RMSNorm(h, eps, off)
+        self.self_attn = LlamaAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(h, eps, off)
         self.mlp = LlamaMLP(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, off)
+        self.local_rope = config.window(layer) is not None and config.local_rope_theta is not None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not self.sandwich:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 def pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -289,9 +266,10 @@ class LlamaForCausal(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.rotary = Rotary(config)
+        self.local_rotary = Rotary(config, local=True) if config.local_rope_theta else None
         self.lm_head: nn.Parameter | None = None
         self._packed_head: PackedLinear | None = None
         self.q4_rows = 0  # batches up to this many rows run on 4-bit weights
@@ -313,17 +291,23 @@ class LlamaForCausal(nn.Module):
             # 4-bit kernels take any row count: padding would only add work.
             input_ids = pad_rows(input_ids, row_bucket(num_tokens))
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        rope = self.rotary(positions, x.dtype)
+        local = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rope
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, *(local if layer.local_rope else rope), kv_cache, meta)
         return self.norm(x[:num_tokens])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
         if self._packed_head is not None:
-            return self._packed_head(hidden.contiguous()).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+            logits = self._packed_head(hidden.contiguous()).float()
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+            logits = F.linear(hidden, weight).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def pack_cpu_weights(self, q4_kernels: bool = False) -> None:
         """Swap every projection (and the LM head) for a oneDNN-packed copy, once the weights
@@ -362,7 +346,8 @@ class LlamaForCausal(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing QKV and
-        gate/up. Raises ConfigError naming any tensor missing or unexpected."""
+        gate/up (Phi-3 ships them fused already). Raises ConfigError naming any tensor missing
+        or unexpected."""
         pending: dict[str, Tensor] = {}
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -396,12 +381,12 @@ class LlamaForCausal(nn.Module):
                 parts = [pending.pop(f"{pre}self_attn.{p}_proj.{kind}", None) for p in "qkv"]
                 if all(t is not None for t in parts):
                     put(f"{pre}self_attn.qkv_proj.{kind}", torch.cat(parts, dim=0))
-            gate, up = (
-                pending.pop(f"{pre}mlp.gate_proj.weight", None),
-                pending.pop(f"{pre}mlp.up_proj.weight", None),
-            )
-            if gate is not None and up is not None:
-                put(f"{pre}mlp.gate_up_proj.weight", torch.cat([gate, up], dim=0))
+                gate, up = (
+                    pending.pop(f"{pre}mlp.gate_proj.{kind}", None),
+                    pending.pop(f"{pre}mlp.up_proj.{kind}", None),
+                )
+                if gate is not None and up is not None:
+                    put(f"{pre}mlp.gate_up_proj.{kind}", torch.cat([gate, up], dim=0))
         for name, value in pending.items():
             put(name, value)
         missing = set(params) - loaded

@@ -1,0 +1,213 @@
+"""Every supported architecture against transformers' own implementation, on tiny random-weight
+checkpoints built here (nothing downloaded): prompt logits within 1e-4 (fp32) and greedy tokens
+identical through the engine, with prompts longer than the sliding window, chunked prefill,
+prefix-cache hits and both kinds of preemption."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import assert_no_leak, run_all
+from test_model_reference import PagedSequence
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.engine import Engine
+from kvpool.engine.loader import load_model
+from kvpool.engine.models.hf_config import hf_config_to_model_config
+from kvpool.errors import ConfigError
+from kvpool.sched.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+WINDOW = 12  # shorter than the prompts below, so the windowed layers drop context
+NEW_TOKENS = 16
+SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+ARCHS = {
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        attention_bias=True, mlp_bias=True)),
+    "mistral-swa": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW, head_dim=24)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen2-swa": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24, sliding_window_pattern=2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        partial_rotary_factor=0.5, sliding_window=WINDOW)),
+}
+PROMPTS = [
+    [1, *range(3, 40)],  # longer than the window
+    [1, 7, 9, 11, 13, 5, 90, 100, 3, 3, 4],
+    [1, *range(60, 30, -1)],
+]
+
+
+def _tokenizer_json(path: Path) -> None:
+    """A word-level vocabulary of VOCAB tokens: the tests feed token ids, the engine needs one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def checkpoint(request, tmp_path_factory):
+    """(kvpool's model, transformers' model) of one architecture, same random weights."""
+    config_cls, model_cls, extra = ARCHS[request.param]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = getattr(transformers, config_cls)(**SHAPE, **extra)
+        cfg._attn_implementation = "eager"
+        hf = getattr(transformers, model_cls)(cfg).eval()
+        path = tmp_path_factory.mktemp(request.param)
+        hf.save_pretrained(path)
+    _tokenizer_json(path)
+    return request.param, path, load_model(path, dtype=torch.float32), hf
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_prompt_logits_match_transformers_within_1e_4(checkpoint):
+    name, _, ours, hf = checkpoint
+    if "swa" in name or name in ("gemma2", "gemma3", "phi3"):
+        assert any(w == WINDOW for w in ours.config.layer_windows), name
+        assert len(PROMPTS[0]) > WINDOW
+    for ids in PROMPTS:
+        got = PagedSequence(ours).step(ids)
+        assert (got - _hf_logits(hf, ids)).abs().max().item() <= 1e-4, (name, ids)
+    assert ours.config.num_parameters() == sum(p.numel() for p in hf.parameters()), name
+
+
+def test_chunked_prefill_and_decode_steps_match_transformers(checkpoint):
+    """Chunks and single-token steps read the cache (windowed layers past the window)."""
+    name, _, ours, hf = checkpoint
+    ids = PROMPTS[0]
+    seq = PagedSequence(ours, seed=5)
+    got = torch.cat([seq.step(ids[:5]), seq.step(ids[5:6]), seq.step(ids[6:20]), seq.step(ids[20:21]),
+                     *[seq.step([t]) for t in ids[21:]]])
+    assert (got - _hf_logits(hf, ids)).abs().max().item() <= 1e-4, name
+
+
+def _hf_greedy(hf, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                          do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_greedy_equals_transformers_through_prefix_hits_and_preemption(checkpoint, mode):
+    name, path, ours, hf = checkpoint
+    expected = [_hf_greedy(hf, p) for p in PROMPTS]
+    engine = Engine(EngineConfig(
+        model=str(path), dtype="float32", block_size=4, num_blocks=20, max_num_batched_tokens=16,
+        preemption_mode=mode, swap_space="16MiB",
+    ), loaded=ours)
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
+    first = run_all(engine, PROMPTS, params)
+    assert engine.scheduler.num_preemptions >= 1
+    again = run_all(engine, PROMPTS, params)  # the finished prompts' blocks are cached now
+    assert engine.scheduler.kv.stats.hits_tokens > 0
+    for out in (first, again):
+        assert [o.outputs[0].token_ids for o in out] == expected, name
+    assert_no_leak(engine)
+
+
+# --- refusals: never load a checkpoint whose computation we would get wrong -----------------
+
+
+def _config(model_type: str = "llama", **extra) -> dict:
+    return {"model_type": model_type, **SHAPE, **extra}
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "beta_fast": 32}}, "beta_fast"),
+        ({"hidden_act": "relu"}, "hidden_act='relu'"),
+        ({"some_new_feature": 3}, "some_new_feature=3"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+        ({"sliding_window": 64}, "sliding_window=64"),  # llama has no sliding window in HF either
+        ({"layer_types": ["full_attention"] * 4}, "layer_types"),
+    ],
+)
+def test_llama_config_with_unimplemented_field_is_refused_naming_it(extra, named):
+    with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace("(", r"\(")):
+        hf_config_to_model_config(_config(**extra), {})
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "named"),
+    [
+        ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+         "rope_type='longrope'"),
+        ("phi3", {"rope_scaling": {"type": "su", "short_factor": [1.0]}}, "rope_type='su'"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ("gemma3_text", {"sliding_window": 8, "rope_parameters": {
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0}}}, "sliding_attention.rope_type"),
+        ("gemma2", {"sliding_window": None}, "sliding_window is null"),
+        ("qwen3", {"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+        ("qwen2", {"attention_bias": True}, "attention_bias=True"),
+        ("gemma3", {}, "model_type 'gemma3'"),
+        ("mamba", {}, "model_type 'mamba'"),
+    ],
+)
+def test_other_architectures_refuse_what_they_do_not_implement(model_type, extra, named):
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
+        hf_config_to_model_config(_config(model_type, **extra), {})
+
+
+def test_windows_and_features_are_read_from_old_style_configs():
+    """transformers-4 configs (rope_theta, rope_scaling, rope_local_base_freq, the window
+    pattern as an int, no layer_types) give the same per-layer plan transformers derives."""
+    cfg = hf_config_to_model_config(_config(
+        "gemma3_text", num_hidden_layers=6, head_dim=32, sliding_window=8, sliding_window_pattern=3,
+        rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh"), {})
+    assert cfg.layer_windows == (8, 8, None, 8, 8, None)
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling_type, cfg.rope_scaling_factor) == (
+        1e6, 1e4, "linear", 8.0)
+    assert cfg.attn_scale == 16**-0.5 and cfg.embed_scale == 64**0.5 and cfg.qk_norm
+    qwen = hf_config_to_model_config(_config(
+        "qwen2", use_sliding_window=False, sliding_window=32768, max_window_layers=2), {})
+    assert qwen.layer_windows == () and qwen.qkv_bias and not qwen.o_bias
+    swa = hf_config_to_model_config(_config(
+        "qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=2), {})
+    assert swa.layer_windows == (None, None, 64, 64)
+
+
+def test_bf16_and_fp16_safetensors_load_as_their_float32_values(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(**SHAPE, head_dim=16)
+    for dtype in (torch.bfloat16, torch.float16):
+        path = tmp_path / str(dtype)
+        transformers.Qwen3ForCausalLM(cfg).to(dtype).save_pretrained(path)
+        _tokenizer_json(path)
+        assert json.loads((path / "config.json").read_text())["dtype"] in ("bfloat16", "float16")
+        ours = load_model(path, dtype=torch.float32)
+        ref = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        assert torch.equal(ours.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+        assert (PagedSequence(ours).step(PROMPTS[1]) - _hf_logits(ref, PROMPTS[1])).abs().max() <= 1e-4
