@@ -51,16 +51,23 @@ class _Running:
 
 
 class ContiguousServer:
-    """FCFS iteration-level batching over one contiguous reservation per request."""
+    """FCFS iteration-level batching over one contiguous reservation per request.
+
+    `max_tokens` is what each request asks for (None: up to the model's maximum length);
+    outputs stop there. `steps` / `batched` count iterations and the requests in them, and
+    `queued_steps` / `queued_batched` the same over iterations that left requests waiting
+    (where memory, not arrivals, set the batch)."""
 
     def __init__(self, num_slots: int, policy: ReservationPolicy, cost: CostModel,
-                 max_batch: int = 256, max_batched_tokens: int = MAX_BATCHED_TOKENS) -> None:
+                 max_batch: int = 256, max_batched_tokens: int = MAX_BATCHED_TOKENS,
+                 max_tokens: int | None = MAX_TOKENS) -> None:
         self.kv = ContiguousKVManager(num_slots, policy)
         self.cost, self.max_batch, self.max_batched_tokens = cost, max_batch, max_batched_tokens
+        self.max_tokens = max_tokens
+        self.steps = self.batched = self.queued_steps = self.queued_batched = 0
 
-    @staticmethod
-    def _limits(r: SimRequest) -> tuple[int, int, int]:
-        own_max = min(MAX_LEN, r.prompt_len + MAX_TOKENS)
+    def _limits(self, r: SimRequest) -> tuple[int, int, int]:
+        own_max = MAX_LEN if self.max_tokens is None else min(MAX_LEN, r.prompt_len + self.max_tokens)
         return r.prompt_len, own_max, min(r.prompt_len + r.output_len, own_max)
 
     def run(self, requests: Sequence[SimRequest]) -> list[RequestMetrics]:
@@ -87,6 +94,11 @@ class ContiguousServer:
             if not new_tokens:
                 raise ConfigError(f"{waiting[0].request_id} can never fit in {self.kv.arena.num_slots} slots")
             now += self.cost.step_time(StepBatch(new_tokens, ctx))
+            self.steps += 1
+            self.batched += len(new_tokens)
+            if waiting:
+                self.queued_steps += 1
+                self.queued_batched += len(new_tokens)
             for rid in list(running):
                 st = running[rid]
                 st.metrics.on_token(now)
@@ -154,7 +166,7 @@ def workload(lengths: str, n: int, rate: float, seed: int) -> list[SimRequest]:
 def run(size: str = "small", seed: int = 0, out: Path | None = None) -> ExperimentResult:
     full = check_size(size)
     cost, blocks = roofline("opt-13b", "a100-40gb", block_size=BLOCK)
-    num_slots = 1 << (blocks * BLOCK).bit_length() - 1  # the buddy arena needs a power of two
+    num_slots = blocks * BLOCK  # the whole KV budget; the buddy arena tiles it
     n, iters = (1000, 8) if full else (150, 4)
     rows, curves, plots = [], {}, []
     for lengths, rates in RATES.items():
