@@ -35,9 +35,9 @@ from kvpool.cluster.index import POOL
 from kvpool.cluster.predictor import CostModelPredictor, StepTimePredictor
 from kvpool.cluster.records import ConductorConfig, RouteRequest
 from kvpool.core.kv_manager import KVCacheManager
+from kvpool.costs.cost_model import CostModel
 from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.cost_model import CostModel
 from kvpool.sim.instance import SimInstance, write_blocks
 from kvpool.sim.metrics import RequestMetrics
 from kvpool.sim.tokens import BlockHasher, TokenSynth

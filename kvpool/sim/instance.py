@@ -24,12 +24,12 @@ from dataclasses import dataclass, field, replace
 from kvpool.cluster.records import InstanceLoad
 from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_manager import KVCacheManager
+from kvpool.costs.cost_model import CostModel, StepBatch
 from kvpool.errors import ConfigError
 from kvpool.sched.decode_batch import DecodeBatch, decode_batch
 from kvpool.sched.request import SeqStatus, SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvpool.sim.cost_model import CostModel, StepBatch
 from kvpool.sim.metrics import RequestMetrics
 from kvpool.sim.tokens import BlockHasher, TokenSynth
 from kvpool.sim.workloads import SimRequest
