@@ -123,7 +123,7 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
     docs = DocumentsWorkload(seed=seed)
     rows = documents_rows(docs)
     cost, blocks = roofline("llama2-70b", "a800-80gb", tp=8, block_size=BLOCK)
-    n, inst = (4000, 8) if full else (400, 4)
+    n, inst = (None, 8) if full else (400, 4)
     reqs = load_mooncake_trace("conversation", TraceOptions(max_requests=n))
     ttfts = {}
     for label, policy, threshold, pool in SYSTEMS:

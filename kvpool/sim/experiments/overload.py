@@ -55,7 +55,7 @@ def _row(prompts: str, rejection: str, res: ClusterResult) -> dict:
 def run(size: str = "small", seed: int = 0, out: Path | None = None) -> ExperimentResult:
     full = check_size(size)
     cost, blocks = roofline("llama2-70b", "a800-80gb", tp=8, block_size=16)
-    n = 2000 if full else 300
+    n = None if full else 300  # the whole trace: a load the size of the paper's
     workloads = (
         ("trace", TraceOptions(max_requests=n), DECODE_KV_SHARE),
         (f"<={CAPPED_PROMPT}", TraceOptions(max_requests=n, max_prompt_len=CAPPED_PROMPT), CAPPED_DECODE_KV_SHARE),
@@ -81,7 +81,8 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
         "overload", "Overload: no / early / predictive rejection", rows,
         {"requests": n, "decode_kv_share": DECODE_KV_SHARE, "capped_prompt": CAPPED_PROMPT,
          "capped_decode_kv_share": CAPPED_DECODE_KV_SHARE, "decode_load": load_series}, plots,
-        setup=(f"The first {n} requests of the Mooncake conversation trace on 4 prefill instances and one "
+        setup=(f"{'The whole' if n is None else f'The first {n} requests of the'} Mooncake conversation trace "
+               f"({len(reqs)} requests) on 4 prefill instances and one "
                f"decode instance with {DECODE_KV_SHARE:.0%} of a normal instance's KV (LLaMA2-70B, 8 A800s "
                "each), so decoding is the bottleneck at about twice its capacity; then the same arrivals with "
                f"prompts capped at {CAPPED_PROMPT} tokens on a decode instance with {CAPPED_DECODE_KV_SHARE:.0%} "

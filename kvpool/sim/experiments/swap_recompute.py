@@ -103,6 +103,11 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                  f"{crossover:.1f}-token blocks with these link numbers (the lecture derives 16-32; the vLLM "
                  "paper measures recompute faster for small blocks, swap for large, comparable at 16-64). End to "
                  "end the same order shows at the ends of the sweep, and both modes lose to large blocks' waste."),
+        published=("vLLM SOSP'23 Fig. 19 (OPT-13B): (a) swapping is slower than recomputing for small blocks "
+                   "and faster for large ones; (b) end to end the two are comparable for 16-64-token blocks. The "
+                   "lecture (§6.2) derives the crossover between 16 and 32 tokens. kvpool's crossover comes out "
+                   "just under 16 with the A100 preset's link (25 GB/s, 10 us per copy); the lecture's exact link "
+                   "numbers were not available here, and a per-copy cost of 11-20 us would put it inside 16-32."),
         columns=["block_size", "swap_s", "recompute_s", "swap_over_recompute", "mode", "normalized_latency_s",
                  "preemptions", "swapped_blocks", "recomputed_prefill_tokens", "published"],
     )
