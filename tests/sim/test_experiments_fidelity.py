@@ -1,8 +1,10 @@
 """The published analyses the experiments reproduce (issue 17), on small sizes."""
 
+import json
 from dataclasses import replace
 
-from kvpool.sim.experiments import concurrency, swap_recompute
+from kvpool.cli import main
+from kvpool.sim.experiments import block_size, concurrency, swap_recompute
 from kvpool.sim.experiments.base import roofline
 
 BLOCK = concurrency.BLOCK
@@ -48,3 +50,16 @@ def test_memory_bound_concurrency_grows_with_memory_for_every_system():
             series = [b[system] for b in by_share]
             assert series[0] < series[1] < series[2], (lengths, system, series)
         assert by_share[-1]["max"] < by_share[-1]["pow2"] < by_share[-1]["oracle"] < by_share[-1]["paged"]
+
+
+def test_alpaca_block_size_sweep_is_memory_bound():
+    row = block_size.sweep_point("alpaca", 16, 200, seed=0)
+    assert row["preemptions"] > 0  # the KV, not the arrivals, limits the batch
+
+
+def test_quick_experiment_command_writes_its_json(tmp_path, capsys):
+    assert main(["sim", "swap-recompute", "--quick", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "swap_recompute.json").read_text())
+    assert doc["data"]["requests"] == 100  # the quick size, not the full one
+    assert 8 < doc["data"]["crossover_block_size"] < 32
+    assert "vLLM" in doc["published"]

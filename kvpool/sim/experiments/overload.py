@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpool.sim.cluster import ClusterConfig, ClusterResult, SimCluster
+from kvpool.sim.cluster import ClusterConfig, ClusterResult, SimCluster, gc_paused
 from kvpool.sim.experiments.base import ExperimentResult, check_size, roofline
 from kvpool.sim.experiments.conductor_policies import TBT_SLO_S, TTFT_SLO_S, cluster_config
 from kvpool.sim.metrics import SLO, summarize
@@ -22,6 +22,8 @@ from kvpool.sim.plots import plot_lines
 from kvpool.sim.traces import TraceOptions, load_mooncake_trace
 
 REJECTIONS = ("none", "early", "predictive")
+# Mooncake arXiv v5 Table 3: requests rejected under overload, baseline / early / predictive.
+PUBLISHED_REJECTED = {"none": 4183, "early": 3771, "predictive": 3589}
 DECODE_KV_SHARE = 0.1  # the decode instance's KV, as a share of a full instance's
 CAPPED_PROMPT = 4096
 CAPPED_DECODE_KV_SHARE = 0.03  # ~10 capped requests, as 10% holds ~10 of the trace's
@@ -43,12 +45,14 @@ def _row(prompts: str, rejection: str, res: ClusterResult) -> dict:
     return {
         "prompts": prompts, "rejection": rejection, "completed": len(done),
         "completed_tokens": sum(m.prompt_len + m.output_len for m in done),
+        "rejected": sum(res.conductor["rejected_at_arrival"].values()) + res.rejected_after_prefill,
         "rejected_at_arrival": sum(res.conductor["rejected_at_arrival"].values()),
         "rejected_after_prefill": res.rejected_after_prefill,
         "wasted_prefill_tokens": res.wasted_prefill_tokens,
         "prefill_tokens": res.prefill_tokens,
         "slo_attainment": s["slo_attainment"],
         "load_correlation": corr,
+        "published_rejected": PUBLISHED_REJECTED[rejection] if prompts == "trace" else None,
     }
 
 
@@ -65,7 +69,8 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
     for prompts, options, share in workloads:
         reqs = load_mooncake_trace("conversation", options)
         for rejection in REJECTIONS:
-            res = SimCluster(overload_config(rejection, blocks, seed, 4, share), cost).run(reqs)
+            with gc_paused():  # a whole-trace run holds millions of objects
+                res = SimCluster(overload_config(rejection, blocks, seed, 4, share), cost).run(reqs)
             rows.append(_row(prompts, rejection, res))
             if prompts == "trace":
                 if len(res.samples) > len(t_axis):

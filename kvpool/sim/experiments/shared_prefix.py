@@ -54,4 +54,8 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                  "5-shot prefix makes up most of each prompt, so most prefill work disappears, and sharing the "
                  "prefix's blocks leaves memory for larger batches. The 1-shot prefix saves less because it "
                  "is a smaller share of each prompt (and its partial last block is never shared)."),
+        published=("vLLM SOSP'23 §6.4 / Fig. 17 (LLaMA-13B, WMT16 translation): sharing the 1-shot prefix gives "
+                   "1.67x the throughput of Orca (Oracle), the 5-shot prefix 3.58x. kvpool compares prefix caching "
+                   "on vs off in the same paged system, a different baseline, so its ratios are smaller; the "
+                   "direction (more shots, more gain) agrees."),
     )
