@@ -76,6 +76,9 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                 if len(res.samples) > len(t_axis):
                     t_axis = [s.t for s in res.samples]
                 load_series[rejection] = [float(sum(s.decode_running)) for s in res.samples]
+    rej = {r["rejection"]: r["rejected"] for r in rows if r["prompts"] == "trace"}
+    ordered = rej["none"] > rej["early"] > rej["predictive"]
+    counts = ", ".join(f"{k} {v}" for k, v in rej.items())
     plots = []
     if out is not None:
         width = min(len(v) for v in load_series.values())
@@ -102,5 +105,15 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                  "largest, which leaves room for many small ones, while predictive admits a large prompt when "
                  "its decode interval is predicted to fit: it completes fewer requests but more tokens, and "
                  "wastes some prefill when a prediction misses by a few hundred blocks. load_correlation is "
-                 "the Pearson correlation of prefill queue and decode batch over time."),
+                 "the Pearson correlation of prefill queue and decode batch over time. Rejected requests on the "
+                 f"trace's prompts: {counts}: "
+                 + ("the paper's order, baseline > early > predictive." if ordered else
+                    "not the paper's order baseline > early > predictive.")),
+        published=("Mooncake arXiv v5 Table 3 (its overload simulation of the conversation workload): 4,183 "
+                   "requests rejected without early rejection, 3,771 with early rejection, 3,589 with "
+                   "prediction-based early rejection (published_rejected). kvpool replays the whole trace on a "
+                   "deliberately small decode side, so its counts are on another scale; what compares is the "
+                   "order. Early rejection's count drops below the baseline's because it turns away at arrival "
+                   "what the baseline would prefill and then refuse, and wastes no prefill; predictive "
+                   "rejection admits more than early when its decode-interval prediction frees room in time."),
     )
