@@ -23,6 +23,8 @@ RATES = {"sharegpt": 4.0, "alpaca": 80.0}  # above the 16-token system's capacit
 # Share of the A100's KV budget each workload gets: Alpaca's short requests need a quarter of
 # it before the KV, not max_num_seqs or the arrivals, limits the batch.
 KV_SHARES = {"sharegpt": 1.0, "alpaca": 0.25}
+# vLLM SOSP'23 Fig. 18: the block sizes that performed best on each workload.
+PUBLISHED_BEST = {"sharegpt": (16, 128), "alpaca": (16, 32)}
 
 
 def sweep_point(lengths: str, block_size: int, n: int, seed: int) -> dict:
@@ -53,6 +55,9 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
     full = check_size(size)
     n = 1000 if full else 200
     rows = [sweep_point(w, b, n, seed) for w in RATES for b in BLOCK_SIZES]
+    for r in rows:
+        lo, hi = PUBLISHED_BEST[r["workload"]]
+        r["published"] = "best range (Fig. 18)" if lo <= r["block_size"] <= hi else ""
     plots = []
     if out is not None:
         by = {w: [r for r in rows if r["workload"] == w] for w in RATES}
