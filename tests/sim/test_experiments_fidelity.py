@@ -57,9 +57,21 @@ def test_alpaca_block_size_sweep_is_memory_bound():
     assert row["preemptions"] > 0  # the KV, not the arrivals, limits the batch
 
 
-def test_quick_experiment_command_writes_its_json(tmp_path, capsys):
-    assert main(["sim", "swap-recompute", "--quick", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / "swap_recompute.json").read_text())
-    assert doc["data"]["requests"] == 100  # the quick size, not the full one
-    assert 8 < doc["data"]["crossover_block_size"] < 32
-    assert "vLLM" in doc["published"]
+def test_experiment_commands_run_whole_traces_unless_quick(tmp_path, monkeypatch):
+    from kvpool.commands import sim as sim_cli
+    from kvpool.sim.experiments import storage_vs_compute
+
+    sizes = []
+
+    def recording(name):
+        def run(size, seed, out):
+            sizes.append(size)
+            return storage_vs_compute.run(size, seed, out)
+        return run
+
+    monkeypatch.setattr(sim_cli, "get_experiment", recording)
+    assert main(["sim", "storage-vs-compute", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["sim", "storage-vs-compute", "--out", str(tmp_path)]) == 0
+    assert sizes == ["small", "full"]
+    doc = json.loads((tmp_path / "storage_vs_compute.json").read_text())
+    assert doc["published"]  # every experiment names what it is compared against
