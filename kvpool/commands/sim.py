@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--full", action="store_true", help="full sizes (slow)")
+    p.add_argument("--quick", action="store_true",
+                   help="reduced sizes and trace windows (CI); by default whole traces and full sizes (slow)")
     p.add_argument("--out", type=Path, default=Path("sim-out"))
     p.add_argument("--seed", type=int, default=0)
 
@@ -62,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     if cmd == "run":
         return _run(args)
     if cmd == "report":
-        path = write_report(args.out, "full" if args.full else "small", args.seed)
+        path = write_report(args.out, "small" if args.quick else "full", args.seed)
         print(f"report written to {path}")
         return 0
     if cmd == "scale":
@@ -71,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
         from kvpool.bench import validate
 
         return validate.main(args)
-    res = get_experiment(cmd)("full" if args.full else "small", args.seed, args.out)
+    res = get_experiment(cmd)("small" if args.quick else "full", args.seed, args.out)
     res.write_json(args.out)
     print(res.table())
     for p in res.plots:

@@ -27,7 +27,7 @@ from kvpool.core.hashing import BlockHash
 from kvpool.core.policies import EvictionPolicy, make_policy
 from kvpool.errors import ConfigError, KVStateError, OutOfBlocks
 
-MAX_BLOCK_SIZE = 256
+MAX_BLOCK_SIZE = 2048  # Mooncake hashes its trace in 512-token blocks
 _found = partial(is_not, None)
 
 

@@ -30,18 +30,32 @@ class Allocation:
 class BuddyAllocator:
     """Binary buddy allocator over `num_slots` slots.
 
+    An arena that is not a power of two is tiled by its binary decomposition, largest first
+    (15,800 slots = 8,192 + 4,096 + 2,048 + ...): each tile is a root that never merges with
+    its neighbour, so the whole KV budget is usable, as in the vLLM paper's Orca baselines.
+
     Invariant: the free blocks and the allocated blocks tile the arena without overlap, and
-    no two free buddies of the same order coexist (they are always merged).
+    no two free buddies of the same order inside one root coexist (they are always merged).
     """
 
     def __init__(self, num_slots: int) -> None:
-        if num_slots < 1 or num_slots & (num_slots - 1):
-            raise ConfigError(f"num_slots={num_slots} must be a power of two >= 1")
+        if num_slots < 1:
+            raise ConfigError(f"num_slots={num_slots} must be >= 1")
         self.num_slots = num_slots
         self.max_order = num_slots.bit_length() - 1
         self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
-        self._free[self.max_order].add(0)
+        self._roots: dict[int, int] = {}  # root offset -> order; each is aligned to its size
+        offset = 0
+        for order in range(self.max_order, -1, -1):
+            if num_slots >> order & 1:
+                self._roots[offset] = order
+                self._free[order].add(offset)
+                offset += 1 << order
         self._allocated: dict[int, int] = {}  # offset -> order
+
+    def _root_order(self, offset: int) -> int:
+        """Order of the root tile holding `offset` (roots are few: one per set bit)."""
+        return next(k for o, k in reversed(self._roots.items()) if o <= offset)
 
     @property
     def free_slots(self) -> int:
@@ -99,7 +113,8 @@ class BuddyAllocator:
             raise InvalidRequest(f"{alloc} is not allocated (double free or foreign block)")
         del self._allocated[alloc.offset]
         offset = alloc.offset
-        while order < self.max_order:
+        top = self._root_order(offset)
+        while order < top:
             buddy = offset ^ (1 << order)
             if buddy not in self._free[order]:
                 break
@@ -130,12 +145,14 @@ class MaxPolicy:
 
 @dataclass(slots=True, frozen=True)
 class Pow2Policy:
-    """Reserve the next power of two of the request's own maximum (prompt + max_tokens)."""
+    """Reserve the prompt plus the output length rounded up to a power of two: at most twice
+    the output (vLLM paper's Orca (Pow2): a 25-token output reserves 32 slots), capped at the
+    request's maximum."""
 
     name: str = "pow2"
 
     def reserve(self, prompt_len: int, max_len: int, final_len: int) -> int:
-        return next_pow2(max_len)
+        return max(min(prompt_len + next_pow2(max(final_len - prompt_len, 1)), max_len), final_len)
 
 
 @dataclass(slots=True, frozen=True)

@@ -60,17 +60,22 @@ class CostModel(Protocol):
 
 @dataclass(slots=True, frozen=True)
 class TransferCosts:
-    """Block movements: bytes over a link plus a fixed latency per block copy (per-block
-    memcpy/RPC launches dominate for small blocks)."""
+    """Block movements: bytes over a link plus a fixed latency per copy (per-copy memcpy/RPC
+    launches dominate for small blocks).
+
+    A swap moves a block's K and V of every layer as separate copies (`copies_per_swap` =
+    2 x layers, as a paged engine's swap kernel issues them), so its fixed cost is per copy, not
+    per block: this is what makes swapping small blocks slower than recomputing them."""
 
     block_bytes: float  # bytes of one block on one GPU
     pcie_bandwidth: float
-    pcie_latency: float
+    pcie_latency: float  # one host<->device copy
     disk_bandwidth: float
     disk_latency: float
     net_bandwidth: float
     net_latency: float
     device_copy_seconds: float  # one on-device block copy
+    copies_per_swap: int = 1  # host<->device copies per swapped block
 
     @classmethod
     def from_specs(cls, tpar: TensorParallel, block_size: int, mbu: float) -> TransferCosts:
@@ -85,12 +90,18 @@ class TransferCosts:
             net_bandwidth=hw.net_bandwidth,
             net_latency=hw.net_latency,
             device_copy_seconds=2 * block / (mbu * hw.mem_bandwidth),
+            copies_per_swap=2 * tpar.model.num_layers,
         )
 
+    def swap_time(self, num_blocks: int) -> float:
+        """Swapping `num_blocks` blocks one way: every layer's K and V of each block is a copy."""
+        return num_blocks * (self.copies_per_swap * self.pcie_latency + self.block_bytes / self.pcie_bandwidth)
+
     def movement_time(self, b: StepBatch) -> float:
-        pcie_blocks = b.blocks_swapped_in + b.blocks_swapped_out + b.blocks_from_host
         t = b.blocks_copied * self.device_copy_seconds
-        t += pcie_blocks * (self.block_bytes / self.pcie_bandwidth + self.pcie_latency)
+        if b.blocks_swapped_in or b.blocks_swapped_out:
+            t += self.swap_time(b.blocks_swapped_in + b.blocks_swapped_out)
+        t += b.blocks_from_host * (self.block_bytes / self.pcie_bandwidth + self.pcie_latency)
         if b.blocks_from_disk:  # disk -> host -> device; the SSD is the bottleneck
             t += self.disk_latency + b.blocks_from_disk * self.block_bytes / self.disk_bandwidth
         if b.blocks_from_remote:

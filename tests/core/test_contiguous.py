@@ -48,9 +48,18 @@ def test_double_free_raises_typed_error():
         arena.free(a)
 
 
-def test_arena_size_must_be_power_of_two():
-    with pytest.raises(ConfigError, match="12"):
-        BuddyAllocator(12)
+def test_arena_that_is_not_a_power_of_two_is_tiled_by_roots_that_never_merge():
+    with pytest.raises(ConfigError, match="0"):
+        BuddyAllocator(0)
+    arena = BuddyAllocator(12)  # 8 + 4: the whole budget is usable
+    assert arena.free_blocks() == [Allocation(0, 8), Allocation(8, 4)]
+    with pytest.raises(OutOfBlocks):
+        arena.alloc(12)  # rounds to 16, larger than any root
+    blocks = [arena.alloc(4) for _ in range(3)]
+    assert arena.free_slots == 0
+    for b in blocks:
+        arena.free(b)
+    assert arena.free_blocks() == [Allocation(0, 8), Allocation(8, 4)]
 
 
 def test_freeing_buddies_merges_back_to_one_block():
@@ -63,22 +72,23 @@ def test_freeing_buddies_merges_back_to_one_block():
 
 def test_policies_reserve_max_pow2_and_exact():
     assert MaxPolicy(2048).reserve(10, 100, 50) == 2048
-    assert Pow2Policy().reserve(10, 100, 50) == 128
+    assert Pow2Policy().reserve(10, 100, 50) == 74  # 10 + next_pow2(40)
+    assert Pow2Policy().reserve(10, 100, 90) == 100  # capped at the request's maximum
     assert OraclePolicy().reserve(10, 100, 50) == 50
 
 
 def test_usage_parts_track_generation_and_sum_to_total():
     mgr = ContiguousKVManager(1024, Pow2Policy())
-    mgr.admit("a", prompt_len=10, max_len=100, final_len=40)  # reserves 128
+    mgr.admit("a", prompt_len=10, max_len=100, final_len=40)  # reserves 10 + 32, rounded to 64
     u = mgr.usage()
-    assert (u.token_slots, u.reserved_slots, u.internal_frag_slots) == (10, 30, 88)
+    assert (u.token_slots, u.reserved_slots, u.internal_frag_slots) == (10, 30, 24)
     mgr.append("a", 5)
     u = mgr.usage()
     assert (u.token_slots, u.reserved_slots) == (15, 25)
     assert u.token_slots + u.reserved_slots + u.internal_frag_slots + u.external_frag_slots + u.free_slots == 1024
-    # 1024 - 128 leaves free blocks 128 + 256 + 512: all but the largest are external.
-    assert (u.external_frag_slots, u.free_slots) == (384, 512)
-    assert mgr.usage(next_request_slots=200).external_frag_slots == 128
+    # 1024 - 64 leaves free blocks 64 + 128 + 256 + 512: all but the largest are external.
+    assert (u.external_frag_slots, u.free_slots) == (448, 512)
+    assert mgr.usage(next_request_slots=200).external_frag_slots == 192
 
 
 def test_append_past_final_length_and_unknown_request_are_rejected():
@@ -105,9 +115,10 @@ ops = st.lists(st.tuples(st.booleans(), st.integers(1, 64), st.integers(0, 1000)
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops)
-def test_buddy_invariants_hold_under_random_alloc_free(sequence):
-    arena = BuddyAllocator(64)
+@given(ops, st.sampled_from([64, 100]))
+def test_buddy_invariants_hold_under_random_alloc_free(sequence, total):
+    arena = BuddyAllocator(total)
+    roots = arena.free_blocks()
     live: list[Allocation] = []
     for is_alloc, n, pick in sequence:
         if is_alloc or not live:
@@ -125,8 +136,8 @@ def test_buddy_invariants_hold_under_random_alloc_free(sequence):
         for b in tiles:  # free and allocated blocks tile the arena exactly
             assert b.offset == pos
             pos += b.size
-        assert pos == 64
-        assert arena.free_slots + arena.allocated_slots == 64
+        assert pos == total
+        assert arena.free_slots + arena.allocated_slots == total
     for a in live:
         arena.free(a)
-    assert arena.free_blocks() == [Allocation(0, 64)]
+    assert arena.free_blocks() == roots

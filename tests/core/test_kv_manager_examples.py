@@ -133,7 +133,7 @@ def test_bad_input_raises_typed_errors_and_changes_nothing():
     with pytest.raises(ConfigError):
         KVCacheManager(num_blocks=8, block_size=0)
     with pytest.raises(ConfigError):
-        KVCacheManager(num_blocks=8, block_size=257)
+        KVCacheManager(num_blocks=8, block_size=2049)
     kv = KVCacheManager(num_blocks=2, block_size=4)
     kv.allocate(0, list(range(5)))
     with pytest.raises(OutOfBlocks, match="needs 2 KV blocks for 5 tokens"):

@@ -20,7 +20,8 @@ from kvpool.sim.workloads import SimRequest
 
 def test_paged_keeps_most_slots_as_tokens_while_max_reservation_wastes_most():
     rows = {r["system"]: r for r in memory_waste.run("small").rows}
-    assert rows["paged"]["token_slots"] > 0.9
+    paged = rows["paged"]
+    assert paged["token_slots"] / (1 - paged["free_slots"]) > 0.95  # the slots in use hold tokens
     assert rows["max"]["token_slots"] < 0.4
     assert rows["paged"]["mean_batch"] > rows["oracle"]["mean_batch"] > rows["max"]["mean_batch"]
 

@@ -15,7 +15,9 @@ SIZES = ("small", "full")
 
 @dataclass(slots=True)
 class ExperimentResult:
-    """`setup` and `finding` are plain sentences for the report; `data` is the JSON body."""
+    """`setup`, `finding` and `published` (the published figures compared against, with their
+    sources, and why any difference remains) are plain sentences for the report; `data` is
+    the JSON body."""
 
     name: str
     title: str
@@ -25,13 +27,14 @@ class ExperimentResult:
     setup: str = ""
     finding: str = ""
     columns: list[str] | None = None
+    published: str = ""
 
     def table(self) -> str:
         return format_table(self.rows, self.columns)
 
     def write_json(self, out: Path) -> Path:
         doc = {"name": self.name, "title": self.title, "rows": self.rows, "data": self.data,
-               "setup": self.setup, "finding": self.finding}
+               "setup": self.setup, "finding": self.finding, "published": self.published}
         return write_json(out / f"{self.name}.json", doc)
 
 

@@ -41,6 +41,9 @@ SLO_S = 0.1  # mean normalized latency bound, s per output token (~3x the unload
 RATES = {"sharegpt": (0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0), "alpaca": (5.0, 10.0, 20.0, 30.0, 40.0, 60.0)}
 ALPACA_SCALE = 4  # Alpaca requests are short: four times as many make a comparable load
 SYSTEMS = ("max", "pow2", "oracle", "paged")
+# vLLM SOSP'23 §6.2 / Fig. 12 (OPT-13B): how much higher a request rate vLLM sustains.
+PUBLISHED = {"sharegpt": {"max": "2.7-8x", "oracle": "1.7-2.7x"},
+             "alpaca": {"pow2": "less than on ShareGPT", "oracle": "less than on ShareGPT"}}
 
 
 @dataclass(slots=True)
@@ -51,16 +54,23 @@ class _Running:
 
 
 class ContiguousServer:
-    """FCFS iteration-level batching over one contiguous reservation per request."""
+    """FCFS iteration-level batching over one contiguous reservation per request.
+
+    `max_tokens` is what each request asks for (None: up to the model's maximum length);
+    outputs stop there. `steps` / `batched` count iterations and the requests in them, and
+    `queued_steps` / `queued_batched` the same over iterations that left requests waiting
+    (where memory, not arrivals, set the batch)."""
 
     def __init__(self, num_slots: int, policy: ReservationPolicy, cost: CostModel,
-                 max_batch: int = 256, max_batched_tokens: int = MAX_BATCHED_TOKENS) -> None:
+                 max_batch: int = 256, max_batched_tokens: int = MAX_BATCHED_TOKENS,
+                 max_tokens: int | None = MAX_TOKENS) -> None:
         self.kv = ContiguousKVManager(num_slots, policy)
         self.cost, self.max_batch, self.max_batched_tokens = cost, max_batch, max_batched_tokens
+        self.max_tokens = max_tokens
+        self.steps = self.batched = self.queued_steps = self.queued_batched = 0
 
-    @staticmethod
-    def _limits(r: SimRequest) -> tuple[int, int, int]:
-        own_max = min(MAX_LEN, r.prompt_len + MAX_TOKENS)
+    def _limits(self, r: SimRequest) -> tuple[int, int, int]:
+        own_max = MAX_LEN if self.max_tokens is None else min(MAX_LEN, r.prompt_len + self.max_tokens)
         return r.prompt_len, own_max, min(r.prompt_len + r.output_len, own_max)
 
     def run(self, requests: Sequence[SimRequest]) -> list[RequestMetrics]:
@@ -87,6 +97,11 @@ class ContiguousServer:
             if not new_tokens:
                 raise ConfigError(f"{waiting[0].request_id} can never fit in {self.kv.arena.num_slots} slots")
             now += self.cost.step_time(StepBatch(new_tokens, ctx))
+            self.steps += 1
+            self.batched += len(new_tokens)
+            if waiting:
+                self.queued_steps += 1
+                self.queued_batched += len(new_tokens)
             for rid in list(running):
                 st = running[rid]
                 st.metrics.on_token(now)
@@ -154,8 +169,8 @@ def workload(lengths: str, n: int, rate: float, seed: int) -> list[SimRequest]:
 def run(size: str = "small", seed: int = 0, out: Path | None = None) -> ExperimentResult:
     full = check_size(size)
     cost, blocks = roofline("opt-13b", "a100-40gb", block_size=BLOCK)
-    num_slots = 1 << (blocks * BLOCK).bit_length() - 1  # the buddy arena needs a power of two
-    n, iters = (1000, 8) if full else (150, 4)
+    num_slots = blocks * BLOCK  # the whole KV budget; the buddy arena tiles it
+    n, iters = (600, 6) if full else (300, 4)
     rows, curves, plots = [], {}, []
     for lengths, rates in RATES.items():
         curves[lengths] = {}
@@ -168,17 +183,22 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                 rates[0] / 4, rates[-1], iters)
             rows.append({"workload": lengths, "system": system, "max_rate_rps": best,
                          "latency_at_lowest_rate_s": lat[0], "latency_at_highest_rate_s": lat[-1]})
+        paged = rows[-1]["max_rate_rps"]
+        for row in rows[-len(SYSTEMS):]:
+            row["paged_rate_over_this"] = paged / row["max_rate_rps"] if row["max_rate_rps"] else None
+            row["published"] = PUBLISHED[lengths].get(row["system"], "")
         if out is not None:
             plots.append(plot_lines(list(rates), curves[lengths], out / f"latency_rate_{lengths}.png",
                                     "request rate (req/s)", "mean normalized latency (s/token)",
                                     f"Normalized latency vs rate, OPT-13B, {lengths}-like", logy=True))
+    lead = {w: {r["system"]: r["paged_rate_over_this"] or 0.0 for r in rows if r["workload"] == w} for w in RATES}
     return ExperimentResult(
         "latency_rate", "Latency vs request rate: paged vs contiguous reservation", rows,
         {"requests": n, "num_slots": num_slots, "slo_s_per_token": SLO_S, "rates": RATES, "curves": curves},
         plots,
         setup=(f"OPT-13B on one A100-40GB with {num_slots} KV slots for every system; {n} ShareGPT-like or "
                f"{n * ALPACA_SCALE} Alpaca-like Poisson requests per point, max length {MAX_LEN}, up to {MAX_TOKENS} output tokens "
-               f"asked. Paged = the real scheduler ({BLOCK}-token blocks, chunked prefill); the contiguous "
+               f"asked. What limits each system at high rates: its KV memory (queueing follows). Paged = the real scheduler ({BLOCK}-token blocks, chunked prefill); the contiguous "
                "baselines are an Orca-style FCFS iteration-level scheduler over the buddy-allocated "
                f"reservation. max_rate_rps: highest rate whose mean normalized latency stays under {SLO_S:g} "
                f"s/token, by bisection ({iters} steps) in [lowest rate / 4, 8 x highest rate] (a value at the "
@@ -187,4 +207,15 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                  "climb steeply. Paged KV keeps more requests in flight at the same memory, so it sustains "
                  "the highest rate; Max is capped first, then Pow2, then Oracle, in the order of how much "
                  "they reserve."),
+        published=("vLLM SOSP'23 §6.2 / Fig. 12 (OPT-13B on A100-40GB, ShareGPT): vLLM sustains 1.7-2.7x the "
+                   "request rate of Orca (Oracle) and 2.7-8x that of Orca (Max); on Alpaca its lead over Oracle "
+                   "and Pow2 is smaller (published column, against paged_rate_over_this). Here on ShareGPT paged "
+                   f"sustains {lead['sharegpt']['max']:.1f}x Max's rate and {lead['sharegpt']['oracle']:.1f}x "
+                   "Oracle's. Where the lead over Oracle falls short of the paper's, the cause is the one the "
+                   "concurrency experiment shows: the roofline's iterations are shorter than the paper's measured "
+                   "ones, so fewer requests are in flight at a given rate and memory binds the Oracle later. On "
+                   "Alpaca kvpool's lead is larger, not smaller: the paper's large Alpaca batches become "
+                   "compute-bound on the GPU, while the roofline's decode step stays bandwidth-bound (weights "
+                   "dominate), so paged keeps gaining from batching; a paged rate at the top of the search range "
+                   "means the SLO held at every rate tried."),
     )

@@ -15,6 +15,8 @@ from kvpool.sim.workloads import WorkloadSpec, synthetic_workload
 
 BLOCK = 16
 WIDTHS = (2, 4, 6)
+# vLLM SOSP'23 §6.3 / Fig. 15: KV memory saved by sharing on ShareGPT over widths 2-6.
+PUBLISHED_SAVED = {"parallel": "16.2-30.5%", "beam": "44.3-66.3%"}
 
 
 def sharing_stats(num_requests: int, width: int, beam: bool, seed: int = 0) -> dict:
@@ -53,6 +55,8 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
     full = check_size(size)
     n = 400 if full else 40
     rows = [sharing_stats(n, w, beam, seed) for beam in (False, True) for w in WIDTHS]
+    for r in rows:
+        r["published_kv_saved"] = PUBLISHED_SAVED[r["mode"]]
     plots = []
     if out is not None:
         plots.append(plot_lines(list(WIDTHS), {
@@ -71,4 +75,10 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                  "is copied on the first write, so copy-on-write moves a few blocks per sample where a "
                  "copying system duplicates the whole prompt. Beams share more because they share "
                  "generated history as well."),
+        published=("vLLM SOSP'23 §6.3 / Fig. 15 (OPT-13B): sharing saves 6.1-9.8% of KV memory for parallel "
+                   "sampling and 37.6-55.2% for beam search on Alpaca, 16.2-30.5% and 44.3-66.3% on ShareGPT, "
+                   "rising with the width. kvpool's parallel saving is lower than the ShareGPT range: the average "
+                   "is over every step of an offline run whose KV is full, so the long tail, where a few "
+                   "long-output requests with short prompts (little to share) run alone, weighs heavily; the paper "
+                   "averages over serving at a steady rate."),
     )

@@ -16,6 +16,10 @@ BLOCK = 16
 MAX_LEN = 2048
 
 
+# vLLM SOSP'23 Fig. 17: throughput of vLLM sharing the prefix over Orca (Oracle), by shots.
+PUBLISHED_GAIN = {1: "1.67x Orca (Oracle) (Fig. 17)", 5: "3.58x Orca (Oracle) (Fig. 17)"}
+
+
 def prefix_run(shots: int, caching: bool, n: int, seed: int) -> dict:
     """Every request queued at t=0 (throughput-style); Alpaca-like questions after the prefix."""
     cost, blocks = roofline("llama2-13b", "a100-40gb", block_size=BLOCK)
@@ -37,6 +41,8 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
     full = check_size(size)
     n = 3000 if full else 500
     rows = [prefix_run(shots, caching, n, seed) for shots in FEW_SHOT_PREFIX for caching in (False, True)]
+    for r in rows:
+        r["published"] = PUBLISHED_GAIN[r["shots"]] if r["caching"] == "on" else ""
     plots = []
     if out is not None:
         cats = [f"{s}-shot" for s in FEW_SHOT_PREFIX]
@@ -54,4 +60,8 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                  "5-shot prefix makes up most of each prompt, so most prefill work disappears, and sharing the "
                  "prefix's blocks leaves memory for larger batches. The 1-shot prefix saves less because it "
                  "is a smaller share of each prompt (and its partial last block is never shared)."),
+        published=("vLLM SOSP'23 §6.4 / Fig. 17 (LLaMA-13B, WMT16 translation): sharing the 1-shot prefix gives "
+                   "1.67x the throughput of Orca (Oracle), the 5-shot prefix 3.58x. kvpool compares prefix caching "
+                   "on vs off in the same paged system, a different baseline, so its ratios are smaller; the "
+                   "direction (more shots, more gain) agrees."),
     )

@@ -60,4 +60,7 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                  "pay off most for GQA models: the case for a large DRAM/SSD KV pool."),
         columns=["model", "context_len", "kv_kib_per_token", "recompute_us", *(f"{t}_us" for t in TIERS),
                  "disk_speedup"],
+        published=("No published per-token figure to set beside these; the premise (reading cached KV beats "
+                   "recomputing it, most for GQA and long contexts) is the Mooncake FAST'25 paper's and the "
+                   "lecture's. Analytical from datasheet numbers."),
     )
