@@ -8,6 +8,44 @@ from typing import Any
 from kvpool.errors import InvalidRequest
 
 MAX_N = 16
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """One output constraint (vLLM's `structured_outputs` / `guided_*`): exactly one field set.
+    `json` is a JSON schema (dict or its JSON text); `grammar` is EBNF (GBNF) text."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise InvalidRequest(
+                f"structured output needs exactly one of {', '.join(STRUCTURED_KINDS)}; got {set_ or 'none'}",
+                param="structured_outputs",
+            )
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise InvalidRequest("structured json must be a JSON schema object or its text", param="json")
+        if self.json_object is not True and self.json_object is not False:
+            raise InvalidRequest("structured json_object must be a boolean", param="json_object")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidRequest(f"structured {name} must be a non-empty string", param=name)
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise InvalidRequest("structured choice must be a non-empty list of non-empty strings", param="choice")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass(slots=True)
@@ -30,10 +68,24 @@ class SamplingParams:
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    best_of: int | None = None  # sample best_of, return the n with the highest cumulative logprob
+    prompt_logprobs: int | None = None  # logprobs of each prompt token (and its top-N) when set
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = _token_id_keys(self.logit_bias)
         self.validate()
 
     @classmethod
@@ -48,6 +100,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences to sample: best_of when set, else n."""
+        return self.best_of or self.n
 
     def validate(self) -> None:
         def bad(param: str, message: str) -> InvalidRequest:
@@ -85,3 +142,53 @@ class SamplingParams:
             raise bad("logprobs", f"must be an integer in 0..20, got {self.logprobs!r}")
         if self.use_beam_search and self.n < 2:
             raise bad("n", "beam search needs n >= 2 beams")
+        self._validate_controls(bad)
+
+    def _validate_controls(self, bad) -> None:
+        """Penalties, logit_bias, bad_words, best_of, prompt_logprobs and structured outputs."""
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool):
+                raise bad(name, f"must be a number, got {v!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.logit_bias is not None and not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in self.logit_bias.values()
+        ):
+            raise bad("logit_bias", "values must be numbers (clamped to [-100, 100])")
+        if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w for w in self.bad_words):
+            raise bad("bad_words", "must be a list of non-empty strings")
+        if self.best_of is not None:
+            if not isinstance(self.best_of, int) or isinstance(self.best_of, bool):
+                raise bad("best_of", f"must be an integer, got {self.best_of!r}")
+            if not self.n <= self.best_of <= MAX_N:
+                raise bad("best_of", f"must be in n ({self.n})..{MAX_N}, got {self.best_of}")
+            if self.use_beam_search:
+                raise bad("best_of", "does not apply to beam search")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+            and 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", f"must be an integer in 0..20, got {self.prompt_logprobs!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise bad("structured_outputs", "must be a StructuredOutputs or a dict of its fields")
+            if self.use_beam_search:
+                raise bad("structured_outputs", "is not supported with beam search")
+
+
+def _token_id_keys(bias: dict) -> dict[int, float]:
+    """logit_bias keys arrive as JSON strings ("50256"); they must be token ids."""
+    out = {}
+    for k, v in bias.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"logit_bias key {k!r} is not a token id", param="logit_bias") from None
+        if tok < 0 or isinstance(k, bool) or (isinstance(k, float) and k != tok):
+            raise InvalidRequest(f"logit_bias key {k!r} is not a token id", param="logit_bias")
+        out[tok] = v
+    return out
