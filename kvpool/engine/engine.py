@@ -186,7 +186,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
         )
         self.scheduler.add_request(group)
-        self._metrics[request_id] = RequestMetrics(group.arrival_time)
+        self._metrics[request_id] = RequestMetrics(group.arrival_time, n_param=params.n, max_tokens_param=params.max_tokens)
         self._prompts[request_id] = text
         if params.use_beam_search:
             self._beams[request_id] = BeamState()

@@ -27,6 +27,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    n_param: int = 1  # the request's n and max_tokens, for the per-request histograms
+    max_tokens_param: int | None = None
 
 
 @dataclass(slots=True)

@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most requests allowed to wait for admission; beyond it new ones get 429")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    group.add_argument("--metrics-prefix", default="kvpool",
+                       help="prefix of the /metrics names; `vllm` makes vLLM's Grafana dashboards work unchanged")
     group.add_argument("--role", choices=("prefill", "decode", "both"), default=None,
                        help="serve as a cluster member for `kvpool conductor`: publish KV events and load "
                             "on /internal routes (default: standalone)")
@@ -46,9 +48,7 @@ def main(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
 
     def make_metrics(engine: Engine) -> ServerMetrics:
-        metrics = ServerMetrics(args.served_model_name or engine.loaded.name)
-        metrics.watch_store(engine)
-        return metrics
+        return ServerMetrics.for_engine(engine, args.served_model_name or engine.loaded.name, args.metrics_prefix)
 
     async_engine = AsyncEngine.launch(lambda: Engine(config), make_metrics, max_queue=args.max_queue)
     engine = async_engine.engine
