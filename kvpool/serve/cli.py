@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 
 import uvicorn
 
@@ -32,20 +33,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "on /internal routes (default: standalone)")
 
 
-def main(args: argparse.Namespace) -> int:
-    from kvpool.engine.engine import Engine  # torch: only when actually serving
-    from kvpool.serve.app import build_app
-    from kvpool.serve.async_engine import AsyncEngine
-    from kvpool.serve.metrics import ServerMetrics
-    from kvpool.serve.state import ServerState
+def check_port_free(host: str, port: int) -> None:
+    """Fail in a second, not after the model has loaded, when the address is taken."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {port}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
+
+def main(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.role:
         args.publish_kv_events = True  # the conductor drains them through /internal/state
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args)  # every engine flag checked before anything loads
+    check_port_free(args.host, args.port)
+
+    from kvpool.engine.engine import Engine  # torch: only when actually serving
+    from kvpool.serve.app import build_app
+    from kvpool.serve.async_engine import AsyncEngine
+    from kvpool.serve.metrics import ServerMetrics
+    from kvpool.serve.state import ServerState
 
     def make_metrics(engine: Engine) -> ServerMetrics:
         return ServerMetrics.for_engine(engine, args.served_model_name or engine.loaded.name, args.metrics_prefix)
