@@ -37,6 +37,8 @@ def q4_linear_available() -> bool:
     path = build_dir()
     try:
         path.mkdir(parents=True, exist_ok=True)
+        if not any(path.glob("*.so")):
+            logger.info("building the 4-bit CPU kernel (first run on this machine, about 30 s)")
         cpp_extension.load(
             name="kvpool_kernels",
             sources=[str(SOURCE)],
