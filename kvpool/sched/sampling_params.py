@@ -90,7 +90,11 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
-        """Build from user input, naming any unknown parameter."""
+        """Build from user input, naming any unknown parameter (vLLM's older `guided_decoding`
+        is `structured_outputs`)."""
+        if "guided_decoding" in values:
+            values = {k: v for k, v in values.items() if k != "guided_decoding"} | {
+                "structured_outputs": values["guided_decoding"]}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
