@@ -416,7 +416,8 @@ class Scheduler:
             hashes = group.prompt_hashes if len(seq.token_ids) == seq.prompt_len else None
             if hashes is None:
                 hashes = kv.prompt_hashes(seq.token_ids, group.cache_salt) if self.config.enable_prefix_caching else []
-            hit = kv.match_prefix(hashes, len(seq.token_ids))
+            # prompt logprobs need every prompt position computed: no prefix hit (recompute)
+            hit = kv.match_prefix([] if group.params.prompt_logprobs is not None else hashes, len(seq.token_ids))
             need += kv.blocks_needed(len(seq.token_ids), hit)
             plans.append((seq, hashes, hit))
         if need > kv.num_free_blocks - self._watermark_blocks:
@@ -428,7 +429,8 @@ class Scheduler:
             hit_blocks = cached // B
             limit = (len(seq.token_ids) - 1) // B
             external = 0
-            if self.external_kv is not None and hit_blocks < min(limit, len(hashes)):
+            if self.external_kv is not None and hit_blocks < min(limit, len(hashes)) \
+                    and group.params.prompt_logprobs is None:
                 external = self.external_kv(hashes[hit_blocks:limit])
             if external:
                 table = kv.block_table(seq.seq_id)
