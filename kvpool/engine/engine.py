@@ -16,12 +16,13 @@ import torch
 from kvpool.core.block_pool import KVEvents
 from kvpool.engine.beam import BeamState, beam_step
 from kvpool.engine.config import EngineConfig, available_host_memory
+from kvpool.engine.controls import Controls, best_of
 from kvpool.engine.kv_io import KVStoreConnector
 from kvpool.engine.loader import LoadedModel, load_model
 from kvpool.engine.models.llama import num_blocks_for_budget
 from kvpool.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpool.engine.runner import ModelRunner
-from kvpool.engine.sampler import RowParams, sample
+from kvpool.engine.sampler import sample
 from kvpool.engine.tokenizer import IncrementalDetokenizer
 from kvpool.errors import InvalidRequest
 from kvpool.sched.request import FinishReason, Sequence, SequenceGroup
@@ -87,6 +88,7 @@ class Engine:
             num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * per_block / 2**20,
             self.max_model_len, num_blocks * config.block_size / self.max_model_len,
         )
+        self.controls = Controls(self.tokenizer, mcfg.vocab_size)  # penalties, grammars, prompt logprobs
         self._texts: dict[int, _SeqText] = {}
         self._beams: dict[str, BeamState] = {}
         self._metrics: dict[str, RequestMetrics] = {}
@@ -180,12 +182,16 @@ class Engine:
             raise InvalidRequest("prompt is empty", param="prompt")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise InvalidRequest(f"logprobs must be <= {self.config.max_logprobs}", param="logprobs")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
+            raise InvalidRequest(f"prompt_logprobs must be <= {self.config.max_logprobs}", param="prompt_logprobs")
+        controls = self.controls.check(params)
         seq = self.scheduler.new_sequence(token_ids)
         group = SequenceGroup(
             request_id, [seq], params, arrival_time if arrival_time is not None else time.monotonic(),
             eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
         )
         self.scheduler.add_request(group)
+        self.controls.add(request_id, controls)
         self._metrics[request_id] = RequestMetrics(group.arrival_time, n_param=params.n, max_tokens_param=params.max_tokens)
         self._prompts[request_id] = text
         if params.use_beam_search:
@@ -219,6 +225,7 @@ class Engine:
         now = time.monotonic()
         tables = [sched.kv.block_table(s.seq.seq_id) for s in out.scheduled]
         logits = self.runner.execute(out, tables)
+        self.controls.record_prompt(out.scheduled, self.runner)
         sched.update(out)
         if self.kv_store is not None:
             self.kv_store.after_update(self._events())
@@ -259,12 +266,15 @@ class Engine:
             if seq.is_finished:
                 continue
             touched[g.request_id] = g
+            if g.params.max_tokens == 0:  # prompt logprobs only
+                sched.finish_seq(g, seq, FinishReason.LENGTH)
+                continue
             if g.params.use_beam_search:
                 beam_rows.setdefault(g.request_id, []).append(i)
                 continue
-            if g.params.n > 1 and not g.forked:
+            if g.params.num_samples > 1 and not g.forked:
                 g.forked = True
-                for _ in range(g.params.n - 1):
+                for _ in range(g.params.num_samples - 1):
                     child = sched.fork(g, seq)
                     child.sample_index = len(g.seqs) - 1
                     self._track(g, child)
@@ -273,10 +283,10 @@ class Engine:
             rows.append(i)
             targets.append((g, seq))
         if rows:
-            params = [self._row_params(g, seq) for g, seq in targets]
+            params = [self.controls.row_params(g, seq, self._texts[seq.seq_id].generator) for g, seq in targets]
             row_logits = logits[torch.tensor(rows, dtype=torch.long)]
             self._mask_early_stops(row_logits, targets)
-            result = sample(row_logits, params)
+            result = sample(row_logits, params, self.controls.allowed(targets, row_logits.device))
             for j, (g, seq) in enumerate(targets):
                 token = result.token_ids[j]
                 if g.params.logprobs is not None:
@@ -285,6 +295,8 @@ class Engine:
                 done = sched.append_token(g, seq, token, result.logprobs[j])
                 self.num_generated_tokens += 1
                 self._detok(g, seq, token, done)
+                if not seq.is_finished and self.controls.accept(g, seq, token):
+                    sched.finish_seq(g, seq, FinishReason.STOP)  # the grammar is complete
         for rid, idx in beam_rows.items():
             g = sched.groups[rid]
             beams = g.live_seqs
@@ -300,14 +312,6 @@ class Engine:
                 banned = list(g.params.stop_token_ids) + ([] if g.params.ignore_eos else list(g.eos_token_ids))
                 if banned:
                     logits[row, banned] = float("-inf")
-
-    def _row_params(self, g: SequenceGroup, seq: Sequence) -> RowParams:
-        p = g.params
-        return RowParams(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-            generator=self._texts[seq.seq_id].generator,
-            num_logprobs=p.logprobs or 0,
-        )
 
     def _track(self, g: SequenceGroup, seq: Sequence) -> None:
         gen = None
@@ -338,18 +342,23 @@ class Engine:
             outs = self._beam_outputs(g, finished)
         else:
             outs = []
-            for seq in sorted(g.seqs, key=lambda s: s.sample_index):
+            chosen = sorted(g.seqs, key=lambda s: s.sample_index)
+            if g.params.num_samples > g.params.n:  # best_of: only the n best, once all are done
+                chosen = best_of(g) if finished else []
+            for index, seq in enumerate(chosen):
                 st = self._texts[seq.seq_id]
                 want_lp = g.params.logprobs is not None
                 outs.append(CompletionOutput(
-                    seq.sample_index, seq.output_ids, st.text,
+                    index, seq.output_ids, st.text,
                     seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
                     seq.cumulative_logprob, list(seq.logprobs) if want_lp else None,
                     list(seq.top_logprobs) if want_lp else None,
                 ))
+        prompt_lps, prompt_top = self.controls.prompt_result(g.request_id)
         return RequestOutput(
             g.request_id, g.prompt_token_ids, outs, finished, g.num_cached_prompt_tokens,
             self._metrics[g.request_id], self._prompts.get(g.request_id),
+            prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top,
         )
 
     def _beam_outputs(self, g: SequenceGroup, finished: bool) -> list[CompletionOutput]:
@@ -366,5 +375,6 @@ class Engine:
         for seq in g.seqs:
             self._texts.pop(seq.seq_id, None)
         self._beams.pop(g.request_id, None)
+        self.controls.forget(g)
         self._metrics.pop(g.request_id, None)
         self._prompts.pop(g.request_id, None)

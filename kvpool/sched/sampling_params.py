@@ -124,7 +124,7 @@ class SamplingParams:
                 raise bad(name, f"must be a number, got {v!r}")
         if not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be in 1..{MAX_N}, got {self.n}")
-        if self.max_tokens < 1:
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):  # 0: score the prompt only
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}")

@@ -148,7 +148,7 @@ class Scheduler:
                 f"exceeds the model's context length of {self.config.max_model_len} tokens",
                 param="max_tokens" if prompt_len < self.config.max_model_len else "prompt",
             )
-        width = group.params.n
+        width = group.params.num_samples
         blocks = width * -(-total // self.config.block_size)
         if blocks > self.config.num_blocks:
             raise InvalidRequest(
