@@ -19,7 +19,7 @@ COMMANDS = {
     "serve": ("kvpool.serve.cli", "OpenAI-compatible HTTP server"),
     "conductor": ("kvpool.cluster.cli", "the cluster's KV-aware gateway"),
     "cluster": ("kvpool.commands.cluster", "start/stop a local prefill/decode cluster: cluster up | down"),
-    "sim": ("kvpool.sim.cli", "the cluster simulator and its experiments"),
+    "sim": ("kvpool.commands.sim", "the cluster simulator and its experiments"),
     "kv": ("kvpool.store.cli", "KV storage tools: kv calc"),
 }
 

@@ -1,5 +1,5 @@
 """`kvpool bench profile`: measure the real engine's step times on this machine and write the
-profile `MeasuredCostModel.from_profile` fits (see kvpool/sim/cost_model.py for the schema).
+profile `MeasuredCostModel.from_profile` fits (see kvpool/costs/cost_model.py for the schema).
 
 Workloads are shaped so the scheduler produces the steps we want to cover — prefill chunks
 with and without a cached prefix, decode batches of 1..64 distinct sequences at several context
@@ -240,7 +240,7 @@ def main(args: argparse.Namespace) -> int:
     doc = run_profile(engine_config_from_args(args), "quick" if args.quick else "default", args.seed_workload)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    from kvpool.sim.cost_model import fit_step_model
+    from kvpool.costs.cost_model import fit_step_model
 
     fit = fit_step_model(doc["samples"], doc["engine"]["q4_rows"])
     print(f"{len(doc['samples'])} steps measured in {doc['wall_s']:.1f} s -> {args.out}; "

@@ -49,7 +49,7 @@ def predictor_from(profile: str | None) -> StepTimePredictor:
     if profile is None:
         return CPU_PREDICTOR
     from kvpool.cluster.predictor import CostModelPredictor
-    from kvpool.sim.cost_model import MeasuredCostModel
+    from kvpool.costs.cost_model import MeasuredCostModel
 
     return CostModelPredictor(MeasuredCostModel.from_profile(profile))
 

@@ -2,7 +2,7 @@
 
 The conductor never measures anything: it asks a predictor. `LinearPredictor` is built from
 a few constants (tests, roofline simulations); `FittedPredictor` adapts a step-time model
-fitted from a profile of real engine steps (`kvpool.sim.cost_model.fit_step_model`);
+fitted from a profile of real engine steps (`kvpool.costs.cost_model.fit_step_model`);
 `CostModelPredictor` asks the simulator's own cost model (roofline or measured), so the
 conductor predicts with exactly the costs the simulated cluster then pays.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvpool.costs.cost_model import CostModel, StepBatch
 from kvpool.errors import ConfigError
-from kvpool.sim.cost_model import CostModel, StepBatch
 
 
 class StepTimePredictor(Protocol):
@@ -28,7 +28,7 @@ class StepTimePredictor(Protocol):
 
 
 class StepModel(Protocol):
-    """What `kvpool.sim.cost_model.FittedStepModel` offers: one engine step's time."""
+    """What `kvpool.costs.cost_model.FittedStepModel` offers: one engine step's time."""
 
     def predict(self, new_tokens: list[int], context_lens: list[int]) -> float: ...
 

@@ -26,6 +26,7 @@ class RequestState:
     prompt_logprobs: list[float | None] | None = None
     prompt_top: list[list[tuple[int, float]]] | None = None
     prompt_num_top: int = 0
+    matchers: dict[int, GrammarMatcher] = field(default_factory=dict)  # seq id -> its grammar position
 
 
 class Controls:
@@ -34,7 +35,6 @@ class Controls:
         self.vocab_size = vocab_size
         self._compiler: GrammarCompiler | None = None
         self._requests: dict[str, RequestState] = {}
-        self._matchers: dict[int, GrammarMatcher] = {}
 
     # -- requests ------------------------------------------------------------------------------
     def check(self, params: SamplingParams) -> RequestState:
@@ -61,10 +61,8 @@ class Controls:
     def add(self, request_id: str, state: RequestState) -> None:
         self._requests[request_id] = state
 
-    def forget(self, group: SequenceGroup) -> None:
-        self._requests.pop(group.request_id, None)
-        for seq in group.seqs:
-            self._matchers.pop(seq.seq_id, None)
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
 
     # -- sampling ------------------------------------------------------------------------------
     def row_params(self, g: SequenceGroup, seq: Sequence, generator: torch.Generator | None) -> RowParams:
@@ -97,9 +95,9 @@ class Controls:
         state = self._requests.get(g.request_id)
         if state is None or state.grammar is None:
             return None
-        m = self._matchers.get(seq.seq_id)
+        m = state.matchers.get(seq.seq_id)
         if m is None:  # forks happen before the first token, so every sequence starts at the root
-            m = self._matchers[seq.seq_id] = self._compiler.matcher(state.grammar)
+            m = state.matchers[seq.seq_id] = self._compiler.matcher(state.grammar)
         return m
 
     # -- prompt logprobs -----------------------------------------------------------------------

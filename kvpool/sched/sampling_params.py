@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvpool.errors import InvalidRequest
 
 MAX_N = 16
+MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -102,26 +104,30 @@ class SamplingParams:
         return cls(**values)
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def num_samples(self) -> int:
         """Sequences to sample: best_of when set, else n."""
         return self.best_of or self.n
 
     def validate(self) -> None:
+        """Every type and range check of a request's parameters, before it touches any state:
+        exact types (a bool is not an integer), finite numbers, seeds whose every sample's
+        generator seed (`seed + sample_index`) fits in 64 bits."""
+
         def bad(param: str, message: str) -> InvalidRequest:
             return InvalidRequest(f"{param} {message}", param=param)
 
-        for name, typ in (("n", int), ("max_tokens", int), ("min_tokens", int), ("top_k", int)):
+        for name in ("n", "max_tokens", "min_tokens", "top_k"):
             v = getattr(self, name)
-            if not isinstance(v, typ) or isinstance(v, bool):
+            if not _is_int(v):
                 raise bad(name, f"must be an integer, got {v!r}")
         for name in ("temperature", "top_p", "min_p", "length_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool):
-                raise bad(name, f"must be a number, got {v!r}")
+            if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
+                raise bad(name, f"must be a finite number, got {v!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_beam_search"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise bad(name, f"must be true or false, got {v!r}")
         if not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be in 1..{MAX_N}, got {self.n}")
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):  # 0: score the prompt only
@@ -136,13 +142,17 @@ class SamplingParams:
             raise bad("top_k", f"must be -1 or 0 (off) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise bad("seed", f"must be an integer, got {self.seed!r}")
+            if not 0 <= self.seed <= MAX_SEED - (self.n - 1):
+                raise bad("seed", f"must be in 0..{MAX_SEED - (self.n - 1)} (sample i uses seed + i, "
+                                  f"below 2**64) for n={self.n}, got {self.seed}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a string or a list of non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of token ids")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be a list of non-negative token ids, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be an integer in 0..20, got {self.logprobs!r}")
         if self.use_beam_search and self.n < 2:
             raise bad("n", "beam search needs n >= 2 beams")
@@ -152,36 +162,46 @@ class SamplingParams:
         """Penalties, logit_bias, bad_words, best_of, prompt_logprobs and structured outputs."""
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool):
-                raise bad(name, f"must be a number, got {v!r}")
+            if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
+                raise bad(name, f"must be a finite number, got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if self.logit_bias is not None and not all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in self.logit_bias.values()
+            (_is_int(v) or isinstance(v, float)) and not math.isnan(v) for v in self.logit_bias.values()
         ):
             raise bad("logit_bias", "values must be numbers (clamped to [-100, 100])")
         if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w for w in self.bad_words):
             raise bad("bad_words", "must be a list of non-empty strings")
         if self.best_of is not None:
-            if not isinstance(self.best_of, int) or isinstance(self.best_of, bool):
+            if not _is_int(self.best_of):
                 raise bad("best_of", f"must be an integer, got {self.best_of!r}")
             if not self.n <= self.best_of <= MAX_N:
                 raise bad("best_of", f"must be in n ({self.n})..{MAX_N}, got {self.best_of}")
             if self.use_beam_search:
                 raise bad("best_of", "does not apply to beam search")
+            if self.seed is not None and self.seed > MAX_SEED - (self.best_of - 1):
+                raise bad("seed", f"must be at most {MAX_SEED - (self.best_of - 1)} for best_of={self.best_of}")
         if self.prompt_logprobs is not None and not (
-            isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
-            and 0 <= self.prompt_logprobs <= 20
+            _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20
         ):
             raise bad("prompt_logprobs", f"must be an integer in 0..20, got {self.prompt_logprobs!r}")
-        if self.structured_outputs is not None:
-            if not isinstance(self.structured_outputs, StructuredOutputs):
-                raise bad("structured_outputs", "must be a StructuredOutputs or a dict of its fields")
-            if self.use_beam_search:
-                raise bad("structured_outputs", "is not supported with beam search")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise bad("structured_outputs", "must be a StructuredOutputs or a dict of its fields")
+        if self.use_beam_search:  # beams rank raw logprobs; no processor applies to them
+            for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                              ("logit_bias", None), ("bad_words", []), ("structured_outputs", None)):
+                if getattr(self, name) not in (off, {}):
+                    raise bad(name, "is not supported with beam search")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the model can produce: raises when a stop token id is outside the vocabulary."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidRequest(f"stop_token_ids: {t} is not a token id (the vocabulary has {vocab_size})",
+                                     param="stop_token_ids")
 
 
 def _token_id_keys(bias: dict) -> dict[int, float]:
@@ -196,3 +216,7 @@ def _token_id_keys(bias: dict) -> dict[int, float]:
             raise InvalidRequest(f"logit_bias key {k!r} is not a token id", param="logit_bias")
         out[tok] = v
     return out
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from kvpool.sim.presets import HARDWARE, MODELS, get_hardware, get_model
-from kvpool.store.calc import DEFAULT_CONTEXTS, format_table, kv_calc_table
+from kvpool.costs.kv_calc import DEFAULT_CONTEXTS, format_table, kv_calc_table
+from kvpool.costs.presets import HARDWARE, MODELS, get_hardware, get_model
 
 
 def add_arguments(p) -> None:

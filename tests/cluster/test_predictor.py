@@ -8,9 +8,9 @@ from kvpool.cluster.predictor import (
     LinearPredictor,
     TransferCost,
 )
+from kvpool.costs.cost_model import RooflineCostModel, StepBatch, fit_step_model
+from kvpool.costs.presets import get_hardware, get_model
 from kvpool.errors import ConfigError
-from kvpool.sim.cost_model import RooflineCostModel, StepBatch, fit_step_model
-from kvpool.sim.presets import get_hardware, get_model
 
 
 def test_linear_prefill_costs_less_with_more_cached_context_skipped():

@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 
 from kvpool.cluster.records import ConductorConfig
+from kvpool.costs.cost_model import StepBatch
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.cluster import ClusterConfig, ClusterResult, SimCluster
-from kvpool.sim.cost_model import StepBatch
 from kvpool.sim.experiments.base import roofline
 from kvpool.sim.traces import TraceOptions, load_mooncake_trace
 from kvpool.sim.workloads import SimRequest

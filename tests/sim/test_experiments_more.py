@@ -1,7 +1,8 @@
 """Qualitative results of experiments 2-5, 7, 9, 10 and 13 that the report relies on, at reduced sizes."""
 
 from kvpool.core.contiguous import OraclePolicy
-from kvpool.sim.cost_model import RooflineCostModel
+from kvpool.costs.cost_model import RooflineCostModel
+from kvpool.costs.presets import get_hardware, get_model
 from kvpool.sim.experiments import (
     block_size,
     concurrency,
@@ -13,7 +14,6 @@ from kvpool.sim.experiments import (
     swap_recompute,
 )
 from kvpool.sim.experiments.base import roofline
-from kvpool.sim.presets import get_hardware, get_model
 from kvpool.sim.tokens import BlockHasher, TokenSynth
 from kvpool.sim.traces import TraceOptions, load_mooncake_trace
 

@@ -2,14 +2,14 @@
 
 import pytest
 
-from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.cost_model import (
+from kvpool.costs.cost_model import (
     FEATURES,
     FittedStepModel,
     MeasuredCostModel,
     StepBatch,
     TransferCosts,
 )
+from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.instance import run_instance
 from kvpool.sim.workloads import SimRequest, WorkloadSpec, synthetic_workload
 

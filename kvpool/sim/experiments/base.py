@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpool.costs.cost_model import RooflineCostModel
+from kvpool.costs.presets import TensorParallel, get_hardware, get_model
 from kvpool.errors import ConfigError
-from kvpool.sim.cost_model import RooflineCostModel
 from kvpool.sim.metrics import format_table, write_json
-from kvpool.sim.presets import TensorParallel, get_hardware, get_model
 
 SIZES = ("small", "full")
 

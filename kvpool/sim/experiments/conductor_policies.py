@@ -20,13 +20,13 @@ import numpy as np
 
 from kvpool.cluster.cli import CPU_PREDICTOR
 from kvpool.cluster.records import ConductorConfig
+from kvpool.costs.cost_model import FittedStepModel, MeasuredCostModel, TransferCosts
+from kvpool.costs.presets import TensorParallel, get_hardware, get_model
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.cluster import ClusterConfig, SimCluster
-from kvpool.sim.cost_model import FittedStepModel, MeasuredCostModel, TransferCosts
 from kvpool.sim.experiments.base import ExperimentResult, check_size, roofline
 from kvpool.sim.metrics import SLO, summarize
 from kvpool.sim.plots import plot_cdf
-from kvpool.sim.presets import TensorParallel, get_hardware, get_model
 from kvpool.sim.traces import TraceOptions, load_mooncake_trace
 from kvpool.sim.workloads import OUTPUT_CHUNK_BASE, SYNTHETIC_CHUNK_BASE, SimRequest, arrival_times
 

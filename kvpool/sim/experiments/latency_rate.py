@@ -24,9 +24,9 @@ from kvpool.core.contiguous import (
     Pow2Policy,
     ReservationPolicy,
 )
+from kvpool.costs.cost_model import CostModel, StepBatch
 from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.cost_model import CostModel, StepBatch
 from kvpool.sim.experiments.base import ExperimentResult, check_size, roofline
 from kvpool.sim.instance import run_instance
 from kvpool.sim.metrics import RequestMetrics

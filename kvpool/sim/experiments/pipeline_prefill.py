@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpool.sim.cost_model import RooflineCostModel
+from kvpool.costs.cost_model import RooflineCostModel
+from kvpool.costs.presets import get_hardware, get_model
 from kvpool.sim.experiments.base import ExperimentResult, check_size
 from kvpool.sim.plots import plot_lines
-from kvpool.sim.presets import get_hardware, get_model
 
 PROMPTS = (8192, 16384, 32768, 65536, 131072)
 STAGES = (1, 2, 4, 8)

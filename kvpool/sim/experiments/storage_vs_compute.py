@@ -1,7 +1,7 @@
 """Experiment 10: storage vs compute — per-token time to read cached KV from each tier (HBM,
 host DRAM, local disk, network) against the per-token time to recompute it, by model.
 
-The tier and recompute numbers are `kvpool.store.calc.kv_calc_table`'s (what `kvpool kv calc`
+The tier and recompute numbers are `kvpool.costs.kv_calc.kv_calc_table`'s (what `kvpool kv calc`
 prints); HBM adds the device's own memory bandwidth. Reading beats recomputing wherever the
 ratio recompute / read is above 1.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvpool.costs.kv_calc import kv_calc_table
+from kvpool.costs.presets import get_hardware, get_model
 from kvpool.sim.experiments.base import ExperimentResult, check_size
 from kvpool.sim.plots import plot_grouped_bars
-from kvpool.sim.presets import get_hardware, get_model
-from kvpool.store.calc import kv_calc_table
 
 MODELS = ("opt-13b", "llama2-7b", "llama2-13b", "llama3-8b", "llama2-70b")
 HARDWARE = "a800-80gb"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvpool.costs.cost_model import RooflineCostModel, StepBatch
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.cost_model import RooflineCostModel, StepBatch
 from kvpool.sim.experiments.base import ExperimentResult, check_size, roofline
 from kvpool.sim.instance import run_instance
 from kvpool.sim.metrics import summarize

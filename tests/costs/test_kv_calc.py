@@ -1,8 +1,8 @@
 import pytest
 
+from kvpool.costs.kv_calc import format_table, kv_calc_table, prefill_flops
+from kvpool.costs.presets import HARDWARE, MODELS
 from kvpool.errors import ConfigError
-from kvpool.sim.presets import HARDWARE, MODELS
-from kvpool.store.calc import format_table, kv_calc_table, prefill_flops
 
 A100 = HARDWARE["a100-80gb"]
 

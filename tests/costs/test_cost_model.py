@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.errors import ConfigError
-from kvpool.sim.cost_model import (
+from kvpool.costs.cost_model import (
     MeasuredCostModel,
     RooflineCostModel,
     StepBatch,
     fit_step_model,
     step_features,
 )
-from kvpool.sim.presets import get_hardware, get_model
+from kvpool.costs.presets import get_hardware, get_model
+from kvpool.errors import ConfigError
 
 
 @pytest.fixture

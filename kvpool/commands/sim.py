@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sc = sub.add_parser("scale", help="the whole conversation trace through a 16-instance P/D cluster")
     sc.add_argument("--max-requests", type=int, default=None)
     sc.add_argument("--out", type=Path, default=Path("sim-out"))
-    from kvpool.sim import validate  # the engine (torch) only loads for this subcommand's run
+    from kvpool.bench import validate  # the engine (torch) only loads for this subcommand's run
 
     validate.add_arguments(sub.add_parser("validate", help="the simulator against the real engine on this machine"))
 
@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
     if cmd == "scale":
         return _scale(args)
     if cmd == "validate":
-        from kvpool.sim import validate
+        from kvpool.bench import validate
 
         return validate.main(args)
     res = get_experiment(cmd)("full" if args.full else "small", args.seed, args.out)

@@ -15,8 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvpool.costs.presets import HardwareSpec, ModelSpec, TensorParallel, get_hardware, get_model
 from kvpool.errors import ConfigError
-from kvpool.sim.presets import HardwareSpec, ModelSpec, TensorParallel, get_hardware, get_model
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 import pytest
 
+from kvpool.costs.presets import HARDWARE, MODELS, TensorParallel, get_hardware, get_model
 from kvpool.errors import ConfigError
-from kvpool.sim.presets import HARDWARE, MODELS, TensorParallel, get_hardware, get_model
 
 
 def test_gqa_kv_bytes_per_token_uses_kv_heads():

@@ -20,11 +20,11 @@ import numpy as np
 
 from kvpool.bench.profile import run_profile
 from kvpool.bench.throughput import make_workload
+from kvpool.costs.cost_model import MeasuredCostModel
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
 from kvpool.errors import ConfigError
 from kvpool.sched.sampling_params import SamplingParams
-from kvpool.sim.cost_model import MeasuredCostModel
 from kvpool.sim.instance import simulate_offline, simulate_poisson
 from kvpool.sim.metrics import format_table, summarize, write_json
 from kvpool.sim.workloads import OUTPUT_CHUNK_BASE, SYNTHETIC_CHUNK_BASE, SimRequest, arrival_times

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
+from kvpool.bench.validate import sim_requests
+from kvpool.costs.cost_model import FEATURES, WAKE_AFTER_S, MeasuredCostModel, step_features
+from kvpool.costs.presets import get_hardware, get_model
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.cost_model import FEATURES, WAKE_AFTER_S, MeasuredCostModel, step_features
 from kvpool.sim.instance import simulate_offline
-from kvpool.sim.presets import get_hardware, get_model
-from kvpool.sim.validate import sim_requests
 
 LAW = (0.02, 0.001, 0.0005, 0.004, 2e-8, 1e-6, 0.01, 0.002, 1e-4, 0.03)  # seconds per FEATURES unit
 DENSE_ABOVE = 16  # steps of more tokens pay the dense-weights term
@@ -144,7 +144,7 @@ def test_fitted_model_predicts_the_engine_steps_it_was_fitted_on(engine):
 @pytest.mark.slow
 def test_validate_compares_engine_and_simulator(engine):
     from kvpool.bench.profile import run_profile
-    from kvpool.sim.validate import ValidateSpec, validate
+    from kvpool.bench.validate import ValidateSpec, validate
 
     profile = run_profile(engine.config, "tiny", engine=engine)
     res = validate(ValidateSpec(num_requests=6, output_len=8, repeats=2), engine, profile)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvpool.costs.presets import HardwareSpec, ModelSpec
 from kvpool.errors import ConfigError
-from kvpool.sim.presets import HardwareSpec, ModelSpec
 
 DEFAULT_CONTEXTS = (512, 2048, 8192, 32768)
 

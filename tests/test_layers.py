@@ -1,0 +1,126 @@
+"""The package's imports only point down the layer order of docs/architecture.md, and the pure
+modules (KV manager, scheduler, the conductor's decision modules) import no torch, clock or I/O.
+Read from the source with `ast`, so a lazy import inside a function counts too."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvpool"
+
+# Lower rank = lower layer. A module may import its own layer or any layer below it.
+LAYERS: dict[str, int] = {
+    "errors": 0, "sizes": 0,
+    "core": 1,
+    "sched": 2,
+    "costs": 3,
+    "store": 4, "engine": 4,
+    "serve": 5,
+    "cluster": 6,
+    "sim": 7,
+    "bench": 8, "commands": 8, "cli": 8, "__init__": 8,
+}
+
+# The conductor's decision modules: pure like core and sched (the gateway, poller, relay and
+# local-cluster launcher are the conductor's driver and may do I/O).
+PURE_CLUSTER = {"__init__", "admission", "conductor", "decode_view", "index", "predictor", "records", "routing"}
+
+# Modules (first dotted component) that read a clock, touch files, processes or the network,
+# or run threads; and torch. Pure modules import none of them.
+IMPURE_MODULES = {
+    "torch", "time", "datetime", "os", "sys", "io", "pathlib", "shutil", "tempfile", "socket", "ssl",
+    "select", "selectors", "signal", "subprocess", "threading", "multiprocessing", "concurrent",
+    "asyncio", "urllib", "http", "requests", "httpx", "aiohttp", "uvicorn", "fastapi", "sqlite3",
+    "pickle", "shelve", "glob", "fcntl", "mmap", "uuid", "secrets",
+}
+IMPURE_CALLS = {"open", "print", "input", "breakpoint", "exec", "eval", "__import__"}
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _layer_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _is_pure(path: Path) -> bool:
+    rel = path.relative_to(PACKAGE)
+    top = _layer_of(path)
+    return top in ("core", "sched") or (top == "cluster" and rel.stem in PURE_CLUSTER and len(rel.parts) == 2)
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+            if node.module == "kvpool":
+                found += [(node.lineno, f"kvpool.{a.name}") for a in node.names]
+    return found
+
+
+def _violations(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    me = _layer_of(path)
+    rank = LAYERS[me]
+    pure = _is_pure(path)
+    rel = path.relative_to(PACKAGE.parent)
+    bad = []
+    for line, name in _imports(tree):
+        parts = name.split(".")
+        if parts[0] == "kvpool" and len(parts) > 1:
+            other = parts[1]
+            if other not in LAYERS:
+                bad.append(f"{rel}:{line}: imports {name}, whose layer is not in LAYERS")
+            elif LAYERS[other] > rank:
+                bad.append(f"{rel}:{line}: {me} (layer {rank}) imports {name} (layer {LAYERS[other]})")
+        if pure and parts[0] in IMPURE_MODULES:
+            bad.append(f"{rel}:{line}: pure module imports {name}")
+    if pure:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in IMPURE_CALLS:
+                bad.append(f"{rel}:{node.lineno}: pure module calls {node.func.id}()")
+    return bad
+
+
+def test_every_package_directory_has_a_layer():
+    tops = {_layer_of(p) for p in _modules()}
+    assert tops <= set(LAYERS), f"no layer for {sorted(tops - set(LAYERS))}: add it to LAYERS and the docs"
+
+
+def test_imports_point_down_and_pure_modules_stay_pure():
+    bad = [v for p in _modules() for v in _violations(p)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(("where", "source", "expected"), [
+    ("core/x.py", "from kvpool.sched.request import Sequence\n", "imports kvpool.sched.request"),
+    ("sched/x.py", "def f():\n    import time\n    return time.time()\n", "pure module imports time"),
+    ("cluster/routing.py", "import httpx\n", "pure module imports httpx"),
+    ("core/x.py", "def f(p):\n    return open(p).read()\n", "calls open()"),
+    ("store/x.py", "from kvpool import sim\n", "imports kvpool.sim"),
+])
+def test_the_check_catches_an_upward_or_impure_import(tmp_path, monkeypatch, where, source, expected):
+    fake = tmp_path / "kvpool"
+    path = fake / where
+    path.parent.mkdir(parents=True)
+    path.write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert any(expected in v for v in _violations(path))
+
+
+def test_a_driver_module_of_the_cluster_may_do_io(tmp_path, monkeypatch):
+    fake = tmp_path / "kvpool"
+    path = fake / "cluster" / "members.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("import asyncio\nimport httpx\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert _violations(path) == []
