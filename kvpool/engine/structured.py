@@ -73,6 +73,7 @@ class GrammarCompiler:
             stop_token_ids=self.stop_token_ids, add_prefix_space=prefix_space,
         )
         self._compiler = xg.GrammarCompiler(info, max_threads=1)
+        self._batch = xg.BatchGrammarMatcher(max_threads=1)
 
     def compile(self, spec: StructuredOutputs):
         """The compiled grammar; a schema, regex or grammar the library rejects is an InvalidRequest."""
@@ -103,7 +104,7 @@ class GrammarCompiler:
             return None
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        self._xg.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask(
+        self._batch.batch_fill_next_token_bitmask(
             [matchers[i].inner for i in rows], bitmask, rows
         )
         bits = (bitmask.unsqueeze(-1) >> _SHIFTS) & 1
