@@ -7,6 +7,7 @@ import importlib
 import logging
 import sys
 
+from kvpool.commands.flag_help import FLAG_HELP
 from kvpool.errors import KVPoolError
 
 # subcommand -> (module providing add_arguments(parser) and main(args), help)
@@ -23,12 +24,58 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help, unless its text already states one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is argparse.SUPPRESS or default is False \
+                or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def _log_level(value: str) -> str:
+    if value.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return value.upper()
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    """Every parser below `parser`, depth first."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in dict.fromkeys(action.choices.values()):
+                yield sp
+                yield from _subparsers(sp)
+
+
+def _finish(parser: argparse.ArgumentParser) -> None:
+    """Global flags accepted after any subcommand, help text for every flag, defaults shown."""
+    for p in [parser, *_subparsers(parser)]:
+        p.formatter_class = HelpFormatter
+        for action in p._actions:
+            if action.help is None and action.dest in FLAG_HELP:
+                action.help = FLAG_HELP[action.dest]
+        if p is not parser:
+            p.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS,
+                           help="logging level (also accepted before the subcommand)")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; with `only`, just that subcommand's module is imported (the others keep
+    their name and help), so a bad flag fails before torch or a model is loaded."""
     parser = argparse.ArgumentParser(prog="kvpool", description="A KV-cache-centric LLM serving system.")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    parser.add_argument("--log-level", type=_log_level, default="INFO", help=f"logging level: {' | '.join(LOG_LEVELS)}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        if only is not None and name != only:
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
@@ -38,12 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         mod.add_arguments(p)
         p.set_defaults(_main=mod.main)
+    _finish(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if a in COMMANDS), None)
+    args = build_parser(command).parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "_missing", None):
         print(f"kvpool {args.command}: not available in this build ({args._missing} is missing)", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@
 set -euo pipefail
 
 VENV="${1:-.venv}"
-APT_PKGS=(redis-server libibverbs1 libnl-3-200 libnl-route-3-200)
+APT_PKGS=(redis-server libibverbs1 libnl-3-200 libnl-route-3-200 prometheus)
 MOONCAKE_PKG="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
 missing=()

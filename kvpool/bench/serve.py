@@ -49,25 +49,54 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
 
 
+# -- the server's vocabulary -----------------------------------------------------------------
+def probe_text(seed: int = 0, words: int = 3000) -> str:
+    """Deterministic pseudo-text whose tokenization touches thousands of distinct tokens."""
+    rng = random.Random(seed)
+    letters, marks = "abcdefghijklmnopqrstuvwxyzeeeeaaoo", ",.;:!?()-'\"/0123456789"
+    out = []
+    for _ in range(words):
+        word = "".join(rng.choice(letters) for _ in range(rng.randint(1, 9)))
+        out.append(word.capitalize() if rng.random() < 0.2 else word)
+        if rng.random() < 0.15:
+            out.append(rng.choice(marks))
+    return " ".join(out)
+
+
+def server_token_ids(base_url: str, model: str, headers: dict[str, str]) -> list[int]:
+    """Token ids of the server's own tokenizer, from its /tokenize route (kvpool's and vLLM's)."""
+    try:
+        r = httpx.post(base_url.rstrip("/") + "/tokenize", headers=headers, timeout=60,
+                       json={"model": model, "prompt": probe_text(), "add_special_tokens": False})
+        r.raise_for_status()
+        ids = sorted(set(r.json()["tokens"]))
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot read the server's tokenizer from {base_url}/tokenize ({e}); "
+                          "give --vocab-size to draw token ids below it instead") from None
+    if not ids:
+        raise ConfigError(f"{base_url}/tokenize returned no tokens; give --vocab-size")
+    return ids
+
+
 # -- datasets --------------------------------------------------------------------------------
-def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(100, vocab) for _ in range(n)]
+def _tokens(rng: random.Random, n: int, pool) -> list[int]:
+    return [rng.choice(pool) for _ in range(n)]
 
 
-def random_dataset(args: argparse.Namespace) -> list[BenchRequest]:
+def random_dataset(args: argparse.Namespace, pool) -> list[BenchRequest]:
     rng = random.Random(args.seed)
-    return [BenchRequest(_tokens(rng, args.random_input_len, args.vocab_size), args.random_output_len)
+    return [BenchRequest(_tokens(rng, args.random_input_len, pool), args.random_output_len)
             for _ in range(args.num_prompts)]
 
 
-def prefix_repetition_dataset(args: argparse.Namespace) -> list[BenchRequest]:
+def prefix_repetition_dataset(args: argparse.Namespace, pool) -> list[BenchRequest]:
     rng = random.Random(args.seed)
-    prefixes = [_tokens(rng, args.prefix_len, args.vocab_size) for _ in range(args.num_prefixes)]
-    return [BenchRequest(prefixes[i % len(prefixes)] + _tokens(rng, args.suffix_len, args.vocab_size),
+    prefixes = [_tokens(rng, args.prefix_len, pool) for _ in range(args.num_prefixes)]
+    return [BenchRequest(prefixes[i % len(prefixes)] + _tokens(rng, args.suffix_len, pool),
                          args.random_output_len) for i in range(args.num_prompts)]
 
 
-def mooncake_dataset(args: argparse.Namespace) -> list[BenchRequest]:
+def mooncake_dataset(args: argparse.Namespace, pool) -> list[BenchRequest]:
     """Token ids per hash id are a pure function of the id, so shared hash ids are shared prefixes."""
     if not args.mooncake_trace:
         raise ConfigError("--dataset mooncake needs --mooncake-trace FILE.jsonl")
@@ -83,7 +112,7 @@ def mooncake_dataset(args: argparse.Namespace) -> list[BenchRequest]:
             rec = json.loads(line)
             prompt: list[int] = []
             for h in rec["hash_ids"]:
-                prompt += _tokens(random.Random(h * 1_000_003 + args.seed), block, args.vocab_size)
+                prompt += _tokens(random.Random(h * 1_000_003 + args.seed), block, pool)
             length = max(1, min(len(prompt), round(rec["input_length"] * scale)))
             out.append(BenchRequest(prompt[:length], max(1, round(rec["output_length"] * scale))))
     return out
@@ -256,21 +285,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct shared prefixes")
     a("--mooncake-trace", default=None, help="a Mooncake trace .jsonl")
     a("--mooncake-scale", type=float, default=0.05, help="scale token lengths by this to fit the model")
-    a("--vocab-size", type=int, default=32000, help="synthetic token ids are drawn below this")
+    a("--vocab-size", type=int, default=None,
+      help="draw synthetic token ids from 100..N-1 (default: ids of the server's own tokenizer, via /tokenize)")
     a("--goodput", nargs="*", default=[], help="SLOs such as ttft:500 tpot:50 (milliseconds)")
     a("--seed", type=int, default=0)
     a("--save-result", default=None, help="write the summary as JSON here")
-    a("--no-progress", action="store_true")
+    a("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def main(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     slos = parse_goodput(args.goodput)
-    requests = DATASETS[args.dataset](args)
+    if args.vocab_size is not None and args.vocab_size <= 100:
+        raise ConfigError(f"--vocab-size must be > 100, got {args.vocab_size}")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
+                                        timeout=30).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ConfigError(f"cannot read the model id from {args.base_url}/v1/models ({e}); give --model") from None
+    pool = range(100, args.vocab_size) if args.vocab_size else server_token_ids(args.base_url, model, headers)
+    requests = DATASETS[args.dataset](args, pool)
     if not requests:
         raise ConfigError("the dataset produced no requests")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
-                                    timeout=30).json()["data"][0]["id"]
     before = prefix_counters(args.base_url)
     results, duration = asyncio.run(run(args, requests, model))
     after = prefix_counters(args.base_url)

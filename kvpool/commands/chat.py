@@ -6,7 +6,6 @@ import sys
 
 from kvpool.commands.generate import add_sampling_args, sampling_from_args
 from kvpool.engine.config import add_engine_args, engine_config_from_args
-from kvpool.engine.engine import Engine
 
 
 def add_arguments(p) -> None:
@@ -17,8 +16,11 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    engine = Engine(engine_config_from_args(args))
+    config = engine_config_from_args(args)  # bad flags fail here, before torch is imported
     params = sampling_from_args(args)
+    from kvpool.engine.engine import Engine
+
+    engine = Engine(config)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("kvpool chat — empty line or Ctrl-D to quit; /reset starts over.", file=sys.stderr)
     while True:

@@ -6,7 +6,6 @@ import json
 import sys
 
 from kvpool.engine.config import add_engine_args, engine_config_from_args
-from kvpool.engine.llm import LLM
 from kvpool.sched.sampling_params import SamplingParams
 
 
@@ -39,12 +38,15 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    config = engine_config_from_args(args)  # bad flags fail here, before torch is imported
+    params = sampling_from_args(args)
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("kvpool generate: no prompt given", file=sys.stderr)
         return 2
-    params = sampling_from_args(args)
-    llm = LLM.from_config(engine_config_from_args(args))
+    from kvpool.engine.llm import LLM
+
+    llm = LLM.from_config(config)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:

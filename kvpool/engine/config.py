@@ -92,6 +92,48 @@ class EngineConfig:
             raise ConfigError(f"kv_write_policy must be write-through or write-back, got {self.kv_write_policy!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """Every value a flag can give, checked before anything loads (a model, a port, torch)."""
+        from kvpool.core.policies import POLICIES
+        from kvpool.sizes import parse_bytes
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.eviction_policy.lower() not in POLICIES:
+            raise ConfigError(f"eviction_policy must be one of {', '.join(POLICIES)}, got {self.eviction_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        parse_bytes(self.kv_cache_memory, "kv_cache_memory", available=1)  # the syntax; the size comes later
+        for name in ("swap_space", "kv_host_memory", "kv_disk_size"):
+            parse_bytes(getattr(self, name), name)
+        if self.kv_remote and not self.kv_remote.startswith(("redis://", "mooncake://")):
+            raise ConfigError(f"kv_remote must be redis://host:port or mooncake://host:port, got {self.kv_remote!r}")
+        if self.model is not None:
+            check_model_path(self.model)
+
+
+def check_model_path(model: str) -> None:
+    """A .gguf file, or an HF directory with its config.json: refused by name before loading."""
+    from pathlib import Path
+
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model directory {model!r} has no config.json (not an HF model directory)")
+    elif not path.is_file():
+        raise ConfigError(f"model {model!r} does not exist (give a .gguf file or an HF model directory)")
+    elif path.suffix != ".gguf":
+        raise ConfigError(f"model file {model!r} is not a .gguf file")
 
 
 _HELP = {

@@ -21,18 +21,19 @@ import torch
 
 from kvpool.core.block_pool import KVEvents
 from kvpool.engine.config import EngineConfig, available_host_memory
+from kvpool.engine.controls import Controls, best_of
 from kvpool.engine.kv_io import KVStoreConnector
 from kvpool.engine.loader import LoadedModel, load_model
 from kvpool.engine.models.llama import num_blocks_for_budget
 from kvpool.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpool.engine.runner import ModelRunner
-from kvpool.engine.sampler import RowParams, sample
+from kvpool.engine.sampler import sample
 from kvpool.engine.tokenizer import IncrementalDetokenizer
 from kvpool.errors import InvalidRequest
 from kvpool.sched.beam import beam_candidates
 from kvpool.sched.instance_load import decode_accepts, load_report
 from kvpool.sched.output import Sample, SchedulerOutput
-from kvpool.sched.request import Sequence, SequenceGroup
+from kvpool.sched.request import FinishReason, Sequence, SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig
 from kvpool.sizes import parse_bytes
@@ -105,6 +106,7 @@ class Engine:
             num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * per_block / 2**20,
             self.max_model_len, num_blocks * config.block_size / self.max_model_len,
         )
+        self.controls = Controls(self.tokenizer, mcfg.vocab_size)  # penalties, grammars, prompt logprobs
         self._requests: dict[str, _Request] = {}
         self._failed: dict[str, str] = {}  # request id -> why, found while stepping
         self._ids = itertools.count()
@@ -195,6 +197,9 @@ class Engine:
         params.check_vocab(vocab)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise InvalidRequest(f"logprobs must be <= {self.config.max_logprobs}", param="logprobs")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
+            raise InvalidRequest(f"prompt_logprobs must be <= {self.config.max_logprobs}", param="prompt_logprobs")
+        controls = self.controls.check(params)  # vocabulary-dependent checks; compiles a grammar
         if request_id is not None and not isinstance(request_id, str):
             raise InvalidRequest(f"request_id must be a string, got {request_id!r}", param="request_id")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -214,7 +219,8 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         generators = None
         if params.seed is not None and not params.use_beam_search:
-            generators = [torch.Generator(device=self.device).manual_seed(params.seed + i) for i in range(params.n)]
+            generators = [torch.Generator(device=self.device).manual_seed(params.seed + i)
+                          for i in range(params.num_samples)]
         seq = self.scheduler.new_sequence(token_ids)
         group = SequenceGroup(
             request_id, [seq], params, arrival_time if arrival_time is not None else time.monotonic(),
@@ -222,13 +228,16 @@ class Engine:
         )
         texts = {} if params.use_beam_search else {seq.seq_id: self._new_text(group, seq)}
         self.scheduler.add_request(group)  # the last check; from here nothing can fail
-        metrics = RequestMetrics(request_id, group.arrival_time, len(token_ids))
+        metrics = RequestMetrics(request_id, group.arrival_time, len(token_ids),
+                                 n_param=params.n, max_tokens_param=params.max_tokens)
         self._requests[request_id] = _Request(text, metrics, generators, texts)
+        self.controls.add(request_id, controls)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         group = self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
+        self.controls.forget(request_id)
         return group is not None
 
     def has_unfinished(self) -> bool:
@@ -250,6 +259,7 @@ class Engine:
                 return []
             now = time.monotonic()
             logits = self.runner.execute(out, out.block_tables)
+            self.controls.record_prompt(out.scheduled, self.runner)
         except Exception as e:  # noqa: BLE001 - the shared forward: fail this step's requests
             logger.exception("engine step failed; failing the %d request(s) it scheduled", len(out.scheduled))
             return self._fail_step(out, f"engine error: {type(e).__name__}: {e}")
@@ -291,6 +301,8 @@ class Engine:
                 req.metrics.finish(now)
                 del self._requests[rid]
             results.append(self._output(g, req, done, error))
+            if done:
+                self.controls.forget(rid)
         self._failed.clear()
         return results
 
@@ -305,6 +317,7 @@ class Engine:
         for rid, g in groups.items():
             self.scheduler.abort(rid)
             req = self._requests.pop(rid, None)
+            self.controls.forget(rid)
             if req is not None:
                 req.metrics.finish(now)
                 results.append(self._output(g, req, True, reason))
@@ -313,6 +326,7 @@ class Engine:
     def _fail_marked(self, touched: dict[str, SequenceGroup]) -> None:
         """Abort the requests whose own work (sampling, text) failed; they report their error."""
         for rid in self._failed:
+            self.controls.forget(rid)
             group = self.scheduler.abort(rid)
             if group is not None:
                 touched.setdefault(rid, group)
@@ -355,26 +369,30 @@ class Engine:
     def _sample_plain(self, rows, idx: list[int], logits: torch.Tensor, sampled: list[Sample | None]) -> None:
         """Sample rows `idx` in one batch: row i gives `num_samples` tokens, sample j drawn with
         generator j (seed + j) of its request."""
-        sched = self.scheduler
-        take, params, spans = [], [], []
+        sched, controls = self.scheduler, self.controls
+        take, params, spans, targets = [], [], [], []
         for i in idx:
             s = rows[i]
             g = s.group
+            if g.params.max_tokens == 0:  # prompt logprobs only: done once the prompt is computed
+                sched.finish_seq(s.seq, FinishReason.LENGTH)
+                continue
             req = self._requests[g.request_id]
-            p = g.params
             first = s.seq.sample_index
             spans.append((i, len(take), s.num_samples))
             for j in range(s.num_samples):
                 take.append(i)
+                targets.append((g, s.seq))  # forked samples start where their parent is
                 gen = req.generators[first + j] if req.generators is not None else None
-                params.append(RowParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                                        generator=gen, num_logprobs=p.logprobs or 0))
+                params.append(controls.row_params(g, s.seq, gen))
+        if not take:
+            return
         row_logits = logits[torch.tensor(take, dtype=torch.long)]
         for i, at, n in spans:
             banned = sched.early_stop_tokens(rows[i].group, rows[i].seq)
             if banned:
                 row_logits[at : at + n, banned] = float("-inf")
-        result = sample(row_logits, params)
+        result = sample(row_logits, params, controls.allowed(targets, row_logits.device))
         for i, at, n in spans:
             want_top = rows[i].group.params.logprobs is not None and result.top_logprobs
             sampled[i] = Sample(result.token_ids[at : at + n], result.logprobs[at : at + n],
@@ -397,6 +415,9 @@ class Engine:
             if st is None:  # a sample forked this step: its text starts from the prompt
                 st = texts[seq.seq_id] = self._new_text(g, seq)
             st.text += st.detok.step(seq.token_ids[-1:])
+            if self.controls.accept(g, seq, seq.token_ids[-1]):  # the grammar is complete
+                self.scheduler.finish_seq(seq, FinishReason.STOP)
+                return None
             if not check_stops:
                 return None
             for stop in g.params.stop:
@@ -416,17 +437,21 @@ class Engine:
         else:
             outs = []
             want_lp = g.params.logprobs is not None
-            for seq in sorted(g.seqs, key=lambda s: s.sample_index):
+            chosen = sorted(g.seqs, key=lambda s: s.sample_index)
+            if g.params.num_samples > g.params.n:  # best_of: only the n best, once all are done
+                chosen = best_of(g) if finished else []
+            for index, seq in enumerate(chosen):
                 st = req.texts.get(seq.seq_id)
                 outs.append(CompletionOutput(
-                    seq.sample_index, seq.output_ids, st.text if st is not None else "",
+                    index, seq.output_ids, st.text if st is not None else "",
                     seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
                     seq.cumulative_logprob, list(seq.logprobs) if want_lp else None,
                     list(seq.top_logprobs) if want_lp else None,
                 ))
+        prompt_lps, prompt_top = self.controls.prompt_result(g.request_id)
         return RequestOutput(
             g.request_id, g.prompt_token_ids, outs, finished, g.num_cached_prompt_tokens,
-            req.metrics, req.prompt, error,
+            req.metrics, req.prompt, error, prompt_lps, prompt_top,
         )
 
     def _beam_outputs(self, g: SequenceGroup, finished: bool) -> list[CompletionOutput]:

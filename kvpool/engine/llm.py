@@ -10,12 +10,13 @@ from tqdm import tqdm
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
 from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.prompts import normalize_prompts
 from kvpool.errors import KVPoolError
 from kvpool.sched.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict  # dicts as vLLM's: {"prompt": ...} or {"prompt_token_ids": [...]}
 
 
 class LLM:
@@ -37,18 +38,22 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A single string or token list is one prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = params or SamplingParams()
+        """Outputs in the order of `prompts`. A single string, token list or prompt dict is one
+        prompt; `sampling_params=` is vLLM's name for `params`."""
+        prompts = normalize_prompts(prompts)
+        if params is not None and sampling_params is not None:
+            raise ValueError("give params or sampling_params, not both")
+        params = params or sampling_params or SamplingParams()
         per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(per) != len(prompts):
             raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts")
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, per, strict=True):
-                ids.append(self.engine.add_request(p, sp))
+                ids.append(self.engine.add_request(p.prompt, sp, cache_salt=p.cache_salt))
         except Exception:
             for rid in ids:  # all prompts or none
                 self.engine.abort(rid)

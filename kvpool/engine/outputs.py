@@ -31,3 +31,6 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt: str | None = None
     error: str | None = None
+    # with SamplingParams.prompt_logprobs: per prompt token (None for the first), and its top-N
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -62,10 +62,32 @@ class ModelRunner:
         meta = AttentionMetadata.build(qlens, slens, block_tables, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        self.last_hidden = hidden  # every computed row of the step, for prompt logprobs
         if not last_rows:
             return hidden.new_empty((0, self.config.vocab_size))
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
+
+    @torch.inference_mode()
+    def token_logprobs(
+        self, rows: list[int], next_ids: list[int], num_top: int, chunk: int = 256
+    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """Prompt logprobs: log p(next_ids[i] | tokens up to row i) for rows of the last step's
+        hidden states, through the same LM head as sampling, `chunk` rows at a time (a [rows, V]
+        logits tensor for a long prompt would not fit); plus the `num_top` best per row."""
+        chosen: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        for at in range(0, len(rows), chunk):
+            idx = torch.tensor(rows[at : at + chunk], dtype=torch.long, device=self.device)
+            lp = self.model.compute_logits(self.last_hidden.index_select(0, idx)).float().log_softmax(-1)
+            want = torch.tensor(next_ids[at : at + chunk], dtype=torch.long, device=self.device)
+            chosen += lp.gather(1, want.unsqueeze(1)).squeeze(1).tolist()
+            if num_top:
+                values, ids = lp.topk(num_top, dim=-1)
+                tops += [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+            else:
+                tops += [[] for _ in range(len(idx))]
+        return chosen, tops
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         if out.swap_out:

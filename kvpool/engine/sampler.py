@@ -1,11 +1,15 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched token sampling: logit bias, penalties, banned tokens, grammar masks, greedy,
+temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Filters run on the whole [N, V] batch at once. A seeded row draws its noise from its own
-torch.Generator, so its tokens do not depend on which other rows share the batch.
+Every processor runs on the whole [N, V] batch at once (token lists become count tensors by
+one scatter). A seeded row draws its noise from its own torch.Generator, so its tokens do not
+depend on which other rows share the batch. Reported logprobs are those of the raw model
+logits (vLLM's default), whatever the processors did to choose the token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +18,7 @@ from torch import Tensor
 from kvpool.errors import InvalidRequest
 
 _GREEDY_EPS = 1e-5
+LOGIT_BIAS_LIMIT = 100.0
 
 
 @dataclass(slots=True)
@@ -26,6 +31,17 @@ class RowParams:
     min_p: float = 0.0
     generator: torch.Generator | None = None
     num_logprobs: int = 0  # top-N alternatives to report; 0 reports none
+    presence_penalty: float = 0.0  # subtracted once from each token generated so far
+    frequency_penalty: float = 0.0  # subtracted per occurrence among generated tokens
+    repetition_penalty: float = 1.0  # HF/vLLM: divides positive, multiplies negative logits of seen tokens
+    logit_bias: Mapping[int, float] | None = None  # added to the logits, clamped to [-100, 100]
+    banned_token_ids: Sequence[int] = ()  # never sampled this step (bad words whose prefix matched)
+    prompt_ids: Sequence[int] = ()  # seen by the repetition penalty only
+    output_ids: Sequence[int] = ()  # generated so far: every penalty
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -38,6 +54,8 @@ class RowParams:
             raise InvalidRequest(f"top_k={self.top_k} must be -1 (off) or >= 0", "top_k")
         if self.num_logprobs < 0:
             raise InvalidRequest(f"num_logprobs={self.num_logprobs} must be >= 0", "logprobs")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequest(f"repetition_penalty={self.repetition_penalty} must be > 0", "repetition_penalty")
 
 
 @dataclass(slots=True)
@@ -103,11 +121,75 @@ def apply_filters(logits: Tensor, t: SamplingTensors) -> Tensor:
     return logits
 
 
-def sample(logits: Tensor, params: list[RowParams]) -> SampleResult:
-    """One token per row of `logits` [N, V] (float32)."""
+def token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[N, V] int counts of each row's tokens, by one scatter over a padded [N, L] id tensor."""
+    width = max((len(r) for r in rows), default=0)
+    counts = torch.zeros((len(rows), vocab_size + 1), dtype=torch.int32, device=device)
+    if width:
+        ids = torch.full((len(rows), width), vocab_size, dtype=torch.long)
+        for i, r in enumerate(rows):
+            if r:
+                ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, dtype=torch.int32, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: Tensor, params: list[RowParams]) -> Tensor:
+    """Repetition (prompt + output), then frequency and presence (output) penalties, on a copy."""
+    n, vocab = logits.shape
+    device = logits.device
+    out_counts = token_counts([p.output_ids for p in params], vocab, device)
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+    if any(p.repetition_penalty != 1 for p in params):
+        seen = (out_counts > 0) | (token_counts([p.prompt_ids for p in params], vocab, device) > 0)
+        scaled = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, scaled, logits)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    return logits - freq * out_counts - pres * (out_counts > 0)
+
+
+def apply_logit_bias(logits: Tensor, params: list[RowParams]) -> Tensor:
+    """Adds each row's clamped bias at its token ids (one index_put over every (row, token))."""
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for tok, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(tok)
+            vals.append(min(max(float(bias), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT))
+    if not rows:
+        return logits
+    idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(idx, torch.tensor(vals, device=logits.device), accumulate=True)
+
+
+def ban_tokens(logits: Tensor, params: list[RowParams]) -> Tensor:
+    rows = [i for i, p in enumerate(params) for _ in p.banned_token_ids]
+    if not rows:
+        return logits
+    cols = [t for p in params for t in p.banned_token_ids]
+    idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(idx, torch.tensor(float("-inf"), device=logits.device))
+
+
+def process_logits(logits: Tensor, params: list[RowParams], allowed: Tensor | None = None) -> Tensor:
+    """The logits tokens are chosen from: bias, penalties, banned tokens and the grammar mask
+    (`allowed`, bool [N, V], False where a row's grammar forbids the token)."""
+    logits = apply_logit_bias(logits, params)
+    if any(p.penalized for p in params):
+        logits = apply_penalties(logits, params)
+    logits = ban_tokens(logits, params)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def sample(logits: Tensor, params: list[RowParams], allowed: Tensor | None = None) -> SampleResult:
+    """One token per row of `logits` [N, V] (float32); `allowed` is an optional grammar mask."""
     if logits.shape[0] != len(params):
         raise InvalidRequest(f"{logits.shape[0]} logits rows but {len(params)} sampling params")
-    logits = logits.float()
+    raw = logits = logits.float()
+    logits = process_logits(logits, params, allowed)
     t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
     chosen = logits.argmax(-1)
     if not t.all_greedy:
@@ -122,7 +204,7 @@ def sample(logits: Tensor, params: list[RowParams]) -> SampleResult:
                 noise[i].exponential_(generator=p.generator)
         drawn = (probs / noise).argmax(-1)
         chosen = torch.where(t.greedy, chosen, drawn)
-    logprobs = logits.log_softmax(-1)
+    logprobs = raw.log_softmax(-1)
     chosen_lp = logprobs.gather(-1, chosen.unsqueeze(1)).squeeze(1)
     top: list[list[tuple[int, float]]] | None = None
     max_n = max(p.num_logprobs for p in params)
@@ -134,3 +216,14 @@ def sample(logits: Tensor, params: list[RowParams]) -> SampleResult:
             for i, p in enumerate(params)
         ]
     return SampleResult(chosen.tolist(), chosen_lp.tolist(), top)
+
+
+def bad_word_bans(bad_words: Sequence[Sequence[int]], output_ids: Sequence[int]) -> list[int]:
+    """Last tokens of the bad words whose other tokens end the output (vLLM's `bad_words`):
+    a one-token word is always banned, a longer one only where it would be completed."""
+    banned = []
+    for word in bad_words:
+        prefix = list(word[:-1])
+        if not prefix or (len(output_ids) >= len(prefix) and list(output_ids[-len(prefix):]) == prefix):
+            banned.append(word[-1])
+    return banned

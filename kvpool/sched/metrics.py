@@ -22,6 +22,8 @@ class RequestMetrics:
     rejected: bool = False
     cached_tokens: int = 0  # prompt tokens served from a prefix cache
     first_scheduled_s: float | None = None
+    n_param: int = 1  # the request's n and max_tokens (the server's per-request histograms)
+    max_tokens_param: int | None = None
 
     def on_token(self, now: float, count: int = 1) -> None:
         """Record `count` tokens emitted at `now` (count > 1 for parallel samples / spec. decode)."""

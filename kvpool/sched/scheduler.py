@@ -116,7 +116,7 @@ class Scheduler:
                 f"exceeds the model's context length of {self.config.max_model_len} tokens",
                 param="max_tokens" if prompt_len < self.config.max_model_len else "prompt",
             )
-        width = group.params.n
+        width = group.params.num_samples
         blocks = width * -(-total // self.config.block_size)
         if blocks > self.config.num_blocks:
             raise InvalidRequest(
@@ -391,7 +391,8 @@ class Scheduler:
         group.first_scheduled = True
         scheduled = out.scheduled
         params = group.params
-        width = params.n if params.n > 1 and not group.forked and not params.use_beam_search else 1
+        k = params.num_samples  # n, or best_of samples of which the n best are returned
+        width = k if k > 1 and not group.forked and not params.use_beam_search else 1
         for seq, n in zip(live, wanted, strict=True):
             if n:
                 start = seq.num_computed_tokens
@@ -458,7 +459,8 @@ class Scheduler:
             hashes = group.prompt_hashes if len(seq.token_ids) == seq.prompt_len else None
             if hashes is None:
                 hashes = kv.prompt_hashes(seq.token_ids, group.cache_salt) if self.config.enable_prefix_caching else []
-            hit = kv.match_prefix(hashes, len(seq.token_ids))
+            # prompt logprobs need every prompt position computed: no prefix hit (recompute)
+            hit = kv.match_prefix([] if group.params.prompt_logprobs is not None else hashes, len(seq.token_ids))
             need += kv.blocks_needed(len(seq.token_ids), hit)
             plans.append((seq, hashes, hit))
         if need > kv.num_free_blocks - self._watermark_blocks:
@@ -470,7 +472,8 @@ class Scheduler:
             hit_blocks = cached // B
             limit = (len(seq.token_ids) - 1) // B
             external = 0
-            if self.external_kv is not None and hit_blocks < min(limit, len(hashes)):
+            if self.external_kv is not None and hit_blocks < min(limit, len(hashes)) \
+                    and group.params.prompt_logprobs is None:
                 external = self.external_kv(hashes[hit_blocks:limit])
             if external:
                 table = kv.block_table(seq.seq_id)

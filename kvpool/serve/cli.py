@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import time
 
 import uvicorn
@@ -35,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--watchdog-timeout", type=float, default=60.0,
                        help="/health turns 503 when the engine completes no step for this many seconds "
                             "while work is pending")
+    group.add_argument("--metrics-prefix", default="kvpool",
+                       help="prefix of the /metrics names; `vllm` makes vLLM's Grafana dashboards work unchanged")
     group.add_argument("--role", choices=("prefill", "decode", "both"), default=None,
                        help="serve as a cluster member for `kvpool conductor`: publish KV events and load "
                             "on /internal routes (default: standalone)")
@@ -73,13 +76,19 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def main(args: argparse.Namespace) -> int:
-    from kvpool.engine.engine import Engine  # torch: only when actually serving
-    from kvpool.serve.app import build_app
-    from kvpool.serve.async_engine import AsyncEngine
-    from kvpool.serve.metrics import ServerMetrics
-    from kvpool.serve.state import ServerState
+def check_port_free(host: str, port: int) -> None:
+    """Fail in a second, not after the model has loaded, when the address is taken."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {port}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
+
+def main(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.shutdown_timeout < 0:
@@ -94,12 +103,17 @@ def main(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     if args.role:
         args.publish_kv_events = True  # the conductor drains them through /internal/state
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args)  # every engine flag checked before anything loads
+    check_port_free(args.host, args.port)
+
+    from kvpool.engine.engine import Engine  # torch: only when actually serving
+    from kvpool.serve.app import build_app
+    from kvpool.serve.async_engine import AsyncEngine
+    from kvpool.serve.metrics import ServerMetrics
+    from kvpool.serve.state import ServerState
 
     def make_metrics(engine: Engine) -> ServerMetrics:
-        metrics = ServerMetrics(args.served_model_name or engine.loaded.name)
-        metrics.watch_store(engine)
-        return metrics
+        return ServerMetrics.for_engine(engine, args.served_model_name or engine.loaded.name, args.metrics_prefix)
 
     async_engine = AsyncEngine.launch(lambda: Engine(config), make_metrics, max_queue=args.max_queue,
                                       watchdog_s=args.watchdog_timeout)

@@ -1,8 +1,11 @@
-"""Prometheus metrics under `kvpool:`, one registry per app so several servers can share a process.
+"""Prometheus metrics under `kvpool:` (or `--metrics-prefix`), one registry per app so several
+servers can share a process.
 
-The engine thread updates them after every loop turn (gauges, counters from the engine's
-cumulative totals) and when a request finishes (latency histograms). prometheus-client is
-thread-safe, so /metrics reads them from the event loop without a lock.
+Names after the prefix, types and buckets follow vLLM's, so `--metrics-prefix vllm` makes
+vLLM's Grafana dashboards work unchanged; kvpool's own extras (KV block gauges, tiered store)
+sit beside them. The engine thread updates them after every loop turn (gauges, counters from
+the engine's cumulative totals) and when a request finishes (per-request histograms).
+prometheus-client is thread-safe, so /metrics reads them from the event loop without a lock.
 """
 
 from __future__ import annotations
@@ -14,10 +17,26 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpool.engine.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0, 10.0)
+# vLLM's buckets, so its dashboards' quantiles mean the same here
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                  10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 @dataclass(slots=True)
@@ -47,9 +66,10 @@ class KVStoreCollector:
         ("store_count", "stores", "Stores to the tier."),
     )
 
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, prefix: str = "kvpool") -> None:
         self._engine = engine
         self._model = model_name
+        self._prefix = prefix
 
     def collect(self):
         connector = self._engine.kv_store
@@ -57,49 +77,50 @@ class KVStoreCollector:
             return
         stats = connector.store.stats()
         for field, name, doc in self._COUNTERS:
-            fam = CounterMetricFamily(f"kvpool:kv_store_{name}", doc, labels=["model_name", "tier"])
+            fam = CounterMetricFamily(f"{self._prefix}:kv_store_{name}", doc, labels=["model_name", "tier"])
             for tier, st in stats.items():
                 fam.add_metric([self._model, tier], float(getattr(st, field)))
             yield fam
         for field, name, doc in (("used_bytes", "used_bytes", "Bytes the tier holds."),
                                  ("capacity_bytes", "capacity_bytes", "The tier's byte budget.")):
-            fam = GaugeMetricFamily(f"kvpool:kv_store_{name}", doc, labels=["model_name", "tier"])
+            fam = GaugeMetricFamily(f"{self._prefix}:kv_store_{name}", doc, labels=["model_name", "tier"])
             for tier, st in stats.items():
                 fam.add_metric([self._model, tier], float(getattr(st, field)))
             yield fam
-        bad = CounterMetricFamily("kvpool:kv_store_bad_entries", "Store entries that could not be a block "
+        bad = CounterMetricFamily(f"{self._prefix}:kv_store_bad_entries", "Store entries that could not be a block "
                                   "(wrong type or size, not a regular file, undecodable): served as misses.",
                                   labels=["model_name", "tier", "reason"])
         for tier, st in stats.items():
             for reason, n in sorted(st.bad_entries.items()):
                 bad.add_metric([self._model, tier, reason], float(n))
         yield bad
-        hit = CounterMetricFamily("kvpool:kv_store_hit_tokens", "Prompt tokens loaded from the store instead of "
+        hit = CounterMetricFamily(f"{self._prefix}:kv_store_hit_tokens", "Prompt tokens loaded from the store instead of "
                                   "computed.", labels=["model_name"])
         hit.add_metric([self._model], float(self._engine.scheduler.num_external_hit_tokens))
         yield hit
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str = "kvpool", max_model_len: int = 2048) -> None:
         self.registry = CollectorRegistry()
+        self.prefix = prefix
         labels = ["model_name"]
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"kvpool:{name}", doc, labels, registry=r).labels(model_name)
+            return Gauge(f"{prefix}:{name}", doc, labels, registry=r).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"kvpool:{name}", doc, labels, registry=r).labels(model_name)
+            return Counter(f"{prefix}:{name}", doc, labels, registry=r).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"kvpool:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for their (re)admission.")
         self.swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
-        self.blocks_total = gauge("kv_blocks_total", "KV blocks in the device pool.")
+        self.blocks_total = gauge("kv_blocks_capacity", "KV blocks in the device pool.")
         self.blocks_free = gauge("kv_blocks_free", "KV blocks not held by any request (cached ones included).")
         self.blocks_cached = gauge("kv_blocks_cached", "Free KV blocks that still hold a reusable prefix.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -107,21 +128,66 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Preemptions (recompute or swap).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self._success = Counter("kvpool:request_success", "Finished requests by finish reason.",
+        self._success = Counter(f"{prefix}:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model = model_name
         self.aborted = counter("request_aborted", "Requests aborted (client gone, shutdown, error).")
         self.rejected = counter("request_rejected", "Requests refused because the queue was full.")
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _TOKEN_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS)
+        self._add_request_metrics(histogram, counter, max_model_len)
+        self._waiting_by_reason = Gauge(
+            f"{prefix}:num_requests_waiting_by_reason",
+            "Waiting requests by why they wait: capacity (KV blocks or batch slots) or deferred (KV still loading).",
+            ["model_name", "reason"], registry=r,
+        )
         self._last = EngineTotals()
+
+    def _add_request_metrics(self, histogram, counter, max_model_len: int) -> None:
+        """vLLM's per-request histograms (observed when a request finishes) and per-step counters."""
+        counts = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of a finished request.", counts)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens a finished request generated (all its sequences).", counts)
+        self.request_max_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Most tokens one sequence of a finished request generated.", counts)
+        self.request_params_n = histogram("request_params_n", "The n parameter of finished requests.", _N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens parameter of finished requests.", counts)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduling to first token (prefill phase).", _REQUEST_BUCKETS)
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token (decode phase).", _REQUEST_BUCKETS)
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First scheduling to last token (running phase).", _REQUEST_BUCKETS)
+        self.request_tpot = histogram(
+            "request_time_per_output_token_seconds", "A request's decode time over its tokens after the first.",
+            _TOKEN_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Prompt plus generated tokens of one engine step.", _ITERATION_BUCKETS)
+        self.prompt_tokens_cached = counter(
+            "prompt_tokens_cached", "Prompt tokens of finished requests whose KV was reused (prefix cache or store).")
+
+    @classmethod
+    def for_engine(cls, engine, model_name: str, prefix: str = "kvpool") -> ServerMetrics:
+        """Metrics sized for the engine (token-count buckets up to its context), with its cache
+        configuration as `cache_config_info` and its tiered store, if any."""
+        metrics = cls(model_name, prefix, engine.max_model_len)
+        cfg, sched = engine.config, engine.scheduler.config
+        info = Gauge(f"{prefix}:cache_config_info", "Information of the engine's KV cache configuration.",
+                     ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks",
+                      "eviction_policy", "preemption_mode", "engine"], registry=metrics.registry)
+        info.labels(str(sched.block_size), cfg.dtype, str(cfg.enable_prefix_caching), str(sched.num_blocks),
+                    str(sched.num_host_blocks), cfg.eviction_policy, cfg.preemption_mode, "0").set(1)
+        metrics.watch_store(engine)
+        return metrics
 
     def watch_store(self, engine) -> None:
         """Export the engine's tiered KV store (if it has one) on /metrics."""
         if engine.kv_store is not None:
-            self.registry.register(KVStoreCollector(engine, self._model))
+            self.registry.register(KVStoreCollector(engine, self._model, self.prefix))
 
     def update(self, engine) -> None:
         """Refresh gauges and add the engine's progress since the last call (engine thread)."""
@@ -129,6 +195,9 @@ class ServerMetrics:
         usage = sched.kv.usage()
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
+        deferred = sum(1 for g in sched.waiting if g.pending_kv_loads)
+        self._waiting_by_reason.labels(self._model, "capacity").set(len(sched.waiting) - deferred)
+        self._waiting_by_reason.labels(self._model, "deferred").set(deferred)
         self.swapped.set(len(sched.swapped))
         self.kv_usage.set(usage.usage)
         self.blocks_total.set(usage.total_blocks)
@@ -138,14 +207,19 @@ class ServerMetrics:
         now = EngineTotals(engine.num_prompt_tokens, engine.num_generated_tokens, sched.num_preemptions,
                            stats.queries_tokens, stats.hits_tokens)
         last = self._last
-        self.prompt_tokens.inc(max(0, now.prompt_tokens - last.prompt_tokens))
-        self.generation_tokens.inc(max(0, now.generation_tokens - last.generation_tokens))
+        step_prompt = max(0, now.prompt_tokens - last.prompt_tokens)
+        step_generated = max(0, now.generation_tokens - last.generation_tokens)
+        if step_prompt + step_generated:  # one engine step per loop turn at most
+            self.iteration_tokens.observe(step_prompt + step_generated)
+        self.prompt_tokens.inc(step_prompt)
+        self.generation_tokens.inc(step_generated)
         self.preemptions.inc(max(0, now.preemptions - last.preemptions))
         self.prefix_queries.inc(max(0, now.prefix_queries - last.prefix_queries))
         self.prefix_hits.inc(max(0, now.prefix_hits - last.prefix_hits))
         self._last = now
 
     def observe_finished(self, out: RequestOutput) -> None:
+        """A finished request's latencies, sizes and parameters."""
         m = out.metrics
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
@@ -158,3 +232,24 @@ class ServerMetrics:
             self.itl.observe(b - a)
         reason = out.outputs[0].finish_reason if out.outputs else None
         self._success.labels(self._model, reason or "unknown").inc()
+        self._observe_request(out)
+
+    def _observe_request(self, out: RequestOutput) -> None:
+        m = out.metrics
+        generated = [len(o.token_ids) for o in out.outputs]
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(generated))
+        self.request_max_generation_tokens.observe(max(generated, default=0))
+        self.request_params_n.observe(m.n_param)
+        if m.max_tokens_param:
+            self.request_params_max_tokens.observe(m.max_tokens_param)
+        self.prompt_tokens_cached.inc(out.num_cached_tokens)
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None and m.last_token_time is not None:
+            decode = m.last_token_time - m.first_token_time
+            self.decode_time.observe(decode)
+            longest = max(generated, default=0)
+            self.request_tpot.observe(decode / (longest - 1) if longest > 1 else 0.0)
+        if m.first_scheduled_time is not None and m.last_token_time is not None:
+            self.inference_time.observe(m.last_token_time - m.first_scheduled_time)

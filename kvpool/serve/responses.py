@@ -37,7 +37,10 @@ def completion_logprobs(tokenizer, out: CompletionOutput, start: int, offset: in
     return {
         "tokens": tokens,
         "token_logprobs": list(out.logprobs[start:]),
-        "top_logprobs": [{tokenizer.token_text(i): lp for i, lp in top} for top in tops[start:]],
+        "top_logprobs": [
+            {tokenizer.token_text(tid): lp, **{tokenizer.token_text(i): v for i, v in top}}  # sampled + top-N (vLLM)
+            for tid, lp, top in zip(out.token_ids[start:], out.logprobs[start:], tops[start:], strict=False)
+        ],
         "text_offset": offsets,
     }
 

@@ -9,7 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.engine.sampler import RowParams, SamplingTensors, apply_filters, sample
+from kvpool.engine.sampler import (
+    RowParams,
+    SamplingTensors,
+    apply_filters,
+    bad_word_bans,
+    process_logits,
+    sample,
+    token_counts,
+)
 from kvpool.errors import InvalidRequest
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 in a shuffled order
@@ -130,3 +138,111 @@ def test_bad_parameters_name_the_value():
         RowParams(top_p=1.5)
     with pytest.raises(InvalidRequest, match="temperature=-1"):
         RowParams(temperature=-1)
+
+
+# -- logit bias, penalties, banned tokens: batched code against a per-token reference ----------
+
+
+def reference_processed(logits: torch.Tensor, p: RowParams) -> torch.Tensor:
+    """One row, token by token, straight from the definitions (OpenAI / HF / vLLM)."""
+    out = logits.clone().tolist()
+    for tok, bias in (p.logit_bias or {}).items():
+        out[tok] += min(max(bias, -100.0), 100.0)
+    seen = set(p.prompt_ids) | set(p.output_ids)
+    for tok in range(len(out)):
+        if tok in seen:
+            out[tok] = out[tok] / p.repetition_penalty if out[tok] > 0 else out[tok] * p.repetition_penalty
+        count = list(p.output_ids).count(tok)
+        out[tok] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+        if tok in p.banned_token_ids:
+            out[tok] = float("-inf")
+    return torch.tensor(out)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    presence=st.floats(-2, 2),
+    frequency=st.floats(-2, 2),
+    repetition=st.floats(0.5, 2.0),
+    bias=st.dictionaries(st.integers(0, 39), st.floats(-300, 300), max_size=4),
+    prompt=st.lists(st.integers(0, 39), max_size=8),
+    output=st.lists(st.integers(0, 39), max_size=12),
+    banned=st.lists(st.integers(0, 39), max_size=3),
+)
+def test_processors_match_the_per_token_definitions(seed, presence, frequency, repetition, bias, prompt, output, banned):
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(seed)) * 4
+    rows = [
+        RowParams(),
+        RowParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+                  logit_bias=bias, prompt_ids=prompt, output_ids=output, banned_token_ids=banned),
+        RowParams(frequency_penalty=frequency, output_ids=output[::-1]),
+    ]
+    got = process_logits(logits, rows)
+    for i, p in enumerate(rows):
+        assert torch.allclose(got[i], reference_processed(logits[i], p), atol=1e-5), i
+
+
+def test_logit_bias_minus_100_removes_the_greedy_token_and_plus_100_forces_one():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    greedy = logits.argmax(-1).tolist()
+    res = sample(logits, [RowParams(temperature=0.0, logit_bias={greedy[0]: -100}),
+                          RowParams(temperature=0.0, logit_bias={7: 100, 8: 1e9})])
+    assert res.token_ids[0] == logits[0].topk(2).indices[1].item()  # the runner-up
+    # 1e9 is clamped to +100 like the other, so the larger raw logit of the two wins
+    assert res.token_ids[1] == (7 if logits[1, 7] > logits[1, 8] else 8)
+
+
+def test_presence_and_frequency_penalties_steer_away_from_generated_tokens():
+    logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]])
+    assert sample(logits, [RowParams(temperature=0.0)]).token_ids == [0]
+    # token 0 generated once: presence 1.0 drops it to 2.0 < 2.5
+    assert sample(logits, [RowParams(temperature=0.0, presence_penalty=1.0, output_ids=[0])]).token_ids == [1]
+    # frequency scales with the count: 0.3 * 1 keeps token 0, 0.3 * 2 does not
+    assert sample(logits, [RowParams(temperature=0.0, frequency_penalty=0.3, output_ids=[0])]).token_ids == [0]
+    assert sample(logits, [RowParams(temperature=0.0, frequency_penalty=0.3, output_ids=[0, 0])]).token_ids == [1]
+    # negative penalties encourage repeats
+    assert sample(logits, [RowParams(temperature=0.0, presence_penalty=-2, output_ids=[3])]).token_ids == [0]
+    assert sample(logits, [RowParams(temperature=0.0, presence_penalty=-2, output_ids=[1])]).token_ids == [1]
+
+
+def test_repetition_penalty_covers_the_prompt_and_divides_positive_multiplies_negative():
+    logits = torch.tensor([[3.0, 2.5, -1.0, -1.2]])
+    p = RowParams(temperature=0.0, repetition_penalty=1.5, prompt_ids=[0])
+    assert sample(logits, [p]).token_ids == [1]  # 3 / 1.5 = 2 < 2.5
+    out = process_logits(logits, [RowParams(repetition_penalty=2.0, output_ids=[2, 0])])
+    assert out[0].tolist() == pytest.approx([1.5, 2.5, -2.0, -1.2])
+    # presence/frequency see only the output: a prompt token is not penalised
+    assert sample(logits, [RowParams(temperature=0.0, presence_penalty=2, prompt_ids=[0])]).token_ids == [0]
+
+
+def test_banned_tokens_and_grammar_mask_are_never_sampled():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(5))
+    allowed = torch.zeros(4, 30, dtype=torch.bool)
+    allowed[:, 10:13] = True
+    res = sample(logits, [RowParams(temperature=1.0, generator=torch.Generator().manual_seed(i)) for i in range(4)],
+                 allowed=allowed)
+    assert all(10 <= t < 13 for t in res.token_ids)
+    greedy = logits.argmax(-1).tolist()
+    res = sample(logits, [RowParams(temperature=0.0, banned_token_ids=[g]) for g in greedy])
+    assert all(t != g for t, g in zip(res.token_ids, greedy, strict=True))
+
+
+def test_reported_logprobs_are_the_raw_models_whatever_the_processors():
+    logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(2))
+    res = sample(logits, [RowParams(temperature=0.0, logit_bias={4: 100}, presence_penalty=2, output_ids=[1])])
+    assert res.token_ids == [4]
+    assert res.logprobs[0] == pytest.approx(logits.log_softmax(-1)[0, 4].item(), abs=1e-6)
+
+
+def test_bad_words_ban_the_last_token_only_where_the_word_would_complete():
+    words = [[5], [7, 8, 9]]
+    assert bad_word_bans(words, []) == [5]
+    assert bad_word_bans(words, [1, 7]) == [5]
+    assert bad_word_bans(words, [1, 7, 8]) == [5, 9]
+    assert bad_word_bans([[7, 8, 9]], [8]) == []
+
+
+def test_penalty_counts_are_one_scatter_per_batch():
+    counts = token_counts([[1, 1, 3], [], [0]], 5, torch.device("cpu"))
+    assert counts.tolist() == [[0, 2, 0, 1, 0], [0] * 5, [1, 0, 0, 0, 0]]

@@ -104,7 +104,7 @@ def wait_idle(server: Server, timeout_s: float = 30.0) -> dict[str, float]:
     while True:
         m = server.metrics()
         idle = m["kvpool:num_requests_running"] == 0 and m["kvpool:num_requests_waiting"] == 0
-        if idle and m["kvpool:kv_blocks_free"] == m["kvpool:kv_blocks_total"] or time.monotonic() > deadline:
+        if idle and m["kvpool:kv_blocks_free"] == m["kvpool:kv_blocks_capacity"] or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
 

@@ -51,7 +51,7 @@ def run_load(server, model: str, clients: int) -> None:
     assert sum(r is None for r in results) == len([i for i in range(clients) if i % 10 == 3])
     m = wait_idle(server)
     assert m["kvpool:num_requests_running"] == 0 and m["kvpool:num_requests_waiting"] == 0
-    assert m["kvpool:kv_blocks_free"] == m["kvpool:kv_blocks_total"]
+    assert m["kvpool:kv_blocks_free"] == m["kvpool:kv_blocks_capacity"]
 
 
 def test_16_streaming_clients_with_disconnects_leave_no_blocks_held(server, model_id):

@@ -12,7 +12,7 @@ METRICS = [
     "kvpool:num_requests_swapped", "kvpool:prompt_tokens_total", "kvpool:generation_tokens_total",
     "kvpool:time_to_first_token_seconds_count", "kvpool:inter_token_latency_seconds_count",
     "kvpool:e2e_request_latency_seconds_count", "kvpool:request_queue_time_seconds_count",
-    "kvpool:kv_blocks_total", "kvpool:kv_blocks_free", "kvpool:kv_blocks_cached",
+    "kvpool:kv_blocks_capacity", "kvpool:kv_blocks_free", "kvpool:kv_blocks_cached",
 ]
 
 
@@ -26,7 +26,7 @@ def test_metrics_expose_every_series_and_count_tokens(server, model_id):
         assert name in after, name
     assert after["kvpool:generation_tokens_total"] - before.get("kvpool:generation_tokens_total", 0) >= 5
     assert after["kvpool:e2e_request_latency_seconds_count"] >= before["kvpool:e2e_request_latency_seconds_count"] + 1
-    assert after["kvpool:kv_blocks_total"] == 256
+    assert after["kvpool:kv_blocks_capacity"] == 256
 
 
 def test_tokenize_detokenize_round_trip(server):
@@ -65,5 +65,5 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, model_id):
                 break
     m = wait_idle(server)
     assert m["kvpool:num_requests_running"] == 0
-    assert m["kvpool:kv_blocks_free"] == m["kvpool:kv_blocks_total"]
+    assert m["kvpool:kv_blocks_free"] == m["kvpool:kv_blocks_capacity"]
     assert m["kvpool:request_aborted_total"] == before + 1

@@ -36,6 +36,8 @@ def _build(name: str, source: Path) -> None:
 
     path = build_dir(source)
     path.mkdir(parents=True, exist_ok=True)
+    if not any(path.glob("*.so")):
+        logger.info("building the %s CPU kernel (first run on this machine, about 30 s)", name)
     cpp_extension.load(
         name=name,
         sources=[str(source)],

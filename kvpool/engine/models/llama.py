@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from kvpool.engine.kernels import q4_linear_available
@@ -317,7 +318,7 @@ class LlamaForCausal(nn.Module):
             return
         q4_kernels = q4_kernels and q4_linear_available()
         served_q4 = 0
-        for layer in self.layers:
+        for layer in tqdm(self.layers, desc="packing weights", unit="layer", leave=False, disable=None):
             attn, mlp = layer.self_attn, layer.mlp
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
                 lin = getattr(owner, name)
@@ -337,7 +338,8 @@ class LlamaForCausal(nn.Module):
         """Pre-build oneDNN kernels for every padded size a step can produce (one layer's
         projections suffice: kernels are shared by shape)."""
         layer = self.layers[0]
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        lins = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        for lin in tqdm(lins, desc="building CPU kernels", unit="shape", leave=False, disable=None):
             dense = lin.dense if isinstance(lin, Q4Linear) else lin
             if isinstance(dense, PackedLinear):
                 dense.warm_up(max_tokens)
