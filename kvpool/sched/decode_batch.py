@@ -63,6 +63,9 @@ def plain_decode(sched: Scheduler) -> DecodeBatch | None:
     kv, cfg = sched.kv, sched.config
     B = cfg.block_size
     caching = kv.enable_prefix_caching
+    # Read-only views of the manager's records, read directly: this runs once per batch over
+    # every running sequence on the simulator's hottest path, where a method call per sequence shows.
+    entries, ref_counts = kv.seqs, kv.pool.ref_counts
     seqs: list[tuple[SequenceGroup, Sequence]] = []
     slots: list[int] = []  # tokens with a slot, per sequence
     held = 0
@@ -72,12 +75,12 @@ def plain_decode(sched: Scheduler) -> DecodeBatch | None:
             return None
         for seq in group.live_seqs:
             n = len(seq.token_ids)
-            entry = kv.seq(seq.seq_id)
+            entry = entries[seq.seq_id]
             if n - seq.num_computed_tokens != 1 or n <= seq.prompt_len or entry.num_tokens != n - 1:
                 return None
             if caching and entry.num_registered != (n - 1) // B:
                 return None
-            if entry.num_tokens % B and kv.last_block_shared(seq.seq_id):
+            if entry.num_tokens % B and ref_counts[entry.blocks[-1]] > 1:  # kv.last_block_shared, inlined
                 return None
             seqs.append((group, seq))
             slots.append(entry.num_tokens)
