@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -233,4 +234,28 @@ def test_a_bfloat16_engine_round_trips_its_blocks_through_the_store():
                     loaded=load_model(None, dtype=torch.bfloat16))
     computed = run(engine).outputs[0].token_ids  # numpy has no bfloat16: saving used to raise
     assert served_from_store(engine, computed) >= 112
+    engine.close()
+
+
+def test_a_stuck_tier_does_not_hold_the_engine(loaded, reference, monkeypatch):
+    engine = make(loaded, kv_host_memory="256MiB")
+    run(engine)
+    engine.kv_store.store.flush()
+    host = engine.kv_store.store.tiers[0]
+    release = threading.Event()
+    real_get = host.get
+
+    def stuck_get(key):  # a tier call that does not return until the test lets it
+        release.wait()
+        return real_get(key)
+
+    monkeypatch.setattr(host, "get", stuck_get)
+    engine.kv_store.load_timeout_s = 0.2
+    try:
+        engine.scheduler.kv.reset_prefix_cache()
+        out = run(engine)  # would wait forever if the engine waited for the load
+        assert out.outputs[0].token_ids == reference
+        assert engine.kv_store.timed_out_loads == 1 and out.num_cached_tokens == 0
+    finally:
+        release.set()
     engine.close()

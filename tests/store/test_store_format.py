@@ -143,11 +143,32 @@ def test_a_corrupted_compressed_payload_is_detected(codec):
 
 @settings(max_examples=200)
 @given(pos=st.integers(0, 100_000), bit=st.integers(0, 7), codec=st.sampled_from(["zstd", "zstd-shuffle"]))
-def test_any_single_bit_flip_of_a_compressed_block_is_detected(pos, bit, codec):
-    data = bytearray(encode_block(NAMESPACE, ID, smooth_block(2), codec))
+def test_a_bit_flip_in_a_compressed_block_never_yields_other_bytes(pos, bit, codec):
+    # A few bits of a zstd stream do not change what it decodes to (found: byte 16 of a
+    # shuffled frame); such a block is still exactly right. Any other flip must be refused.
+    block = smooth_block(2)
+    data = bytearray(encode_block(NAMESPACE, ID, block, codec))
     data[pos % len(data)] ^= 1 << bit
-    with pytest.raises(CorruptBlock):
-        decode_block(bytes(data), NAMESPACE, SHAPE, DTYPE, ID)
+    try:
+        out = decode_block(bytes(data), NAMESPACE, SHAPE, DTYPE, ID)
+    except CorruptBlock:
+        return
+    assert out.tobytes() == block.tobytes()
+
+
+@pytest.mark.parametrize("codec", ["zstd", "zstd-shuffle"])
+def test_nearly_every_bit_flip_of_a_compressed_block_is_detected(codec):
+    data = encode_block(NAMESPACE, ID, smooth_block(2), codec)
+    detected = 0
+    positions = range(0, len(data), max(1, len(data) // 300))
+    for pos in positions:
+        flipped = bytearray(data)
+        flipped[pos] ^= 0x10
+        try:
+            decode_block(bytes(flipped), NAMESPACE, SHAPE, DTYPE, ID)
+        except CorruptBlock:
+            detected += 1
+    assert detected >= 0.95 * len(positions)
 
 
 def test_the_reader_decodes_the_codec_the_header_names():
