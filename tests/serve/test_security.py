@@ -16,7 +16,7 @@ def test_kv_gauges_are_right_before_the_first_request(server):
 
 
 @pytest.mark.parametrize("authorization", [
-    "Bearer café".encode(), b"\xff\xfe", b"Bearer \xe2\x82\xac", b"Basic dGVzdC1rZXk=", b"Bearer", b"Bearer   ",
+    "Bearer café".encode(), b"\xff\xfe", b"Bearer \xe2\x82\xac", b"Basic dGVzdC1rZXk=", b"Bearer", b"Bearer  test-key extra",
     b"test-key", b"bearer test-key-but-longer",
 ])
 def test_malformed_or_wrong_authorization_is_401(server, authorization):
@@ -60,7 +60,7 @@ def test_one_tenant_cannot_probe_another_tenants_cached_prefix(server, model_id)
 
 
 def test_tenants_that_opt_into_the_shared_cache_share_it(server, model_id):
-    public = "A public system prompt every tenant of this deployment uses, word for word. " * 3
+    public = "A public system prompt every tenant of this deployment uses, word for word. " * 4
     assert _cached(server, model_id, AUTH, public, cache_scope="shared") == 0
     assert _cached(server, model_id, OTHER_AUTH, public, cache_scope="shared") >= 48
     assert _cached(server, model_id, OTHER_AUTH, public) == 0  # its private namespace is another one

@@ -44,6 +44,7 @@ def test_burst_beyond_the_queue_limit_gets_429_with_retry_after(small_server):
 def _stream(url: str, max_tokens: int, chunks: list[str], started: threading.Event) -> None:
     body = {"prompt": "Drain me.", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
                 chunks.append(line)
@@ -56,9 +57,9 @@ def test_sigterm_drains_with_503_then_cuts_what_is_left_with_an_error_event(smal
     events = [threading.Event(), threading.Event()]
     threads = [threading.Thread(target=_stream, args=(small_server.url, n, out, e))
                for n, out, e in ((24, short, events[0]), (1000, long, events[1]))]
-    for t in threads:
+    for t, e in zip(threads, events, strict=True):  # one after the other: --max-queue 1 holds one waiting
         t.start()
-    assert all(e.wait(60) for e in events)
+        assert e.wait(60)
     small_server.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
     while True:  # the listener stays open: a new request gets an answer, 503 once draining began
