@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from tqdm import tqdm
 
 from kvpool.core.kv_manager import KVCacheManager
+from kvpool.sched.output import Sample
 from kvpool.sched.request import SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig
@@ -97,15 +98,11 @@ def _scheduler_decode_step(reps: int) -> float:
                           SamplingParams(max_tokens=reps + 10, temperature=0.0, ignore_eos=True), float(i))
         sched.add_request(g)
     out = sched.schedule()
-    sched.update(out)
-    for s in out.scheduled:
-        sched.append_token(s.group, s.seq, 1)
+    sched.postprocess(out, [Sample([1]) for _ in out.sampling])
     start = time.perf_counter()
     for _ in range(reps):
         out = sched.schedule()
-        sched.update(out)
-        for s in out.scheduled:
-            sched.append_token(s.group, s.seq, 1)
+        sched.postprocess(out, [Sample([1]) for _ in out.sampling])
     return (time.perf_counter() - start) / reps * 1e6
 
 

@@ -22,6 +22,8 @@ from kvpool.cluster.conductor import Conductor
 from kvpool.cluster.index import POOL
 from kvpool.cluster.records import InstanceLoad
 
+LOAD_FIELDS = tuple(InstanceLoad.__dataclass_fields__)  # what an instance reports, as the simulator's
+
 logger = logging.getLogger(__name__)
 
 
@@ -123,10 +125,7 @@ class MemberPoller:
             self.pool = data["kv_remote"]
             index.on_stored(POOL, stored)
         load = data["load"]
-        self.conductor.update_load(m.instance_id, InstanceLoad(
-            queued_prefill_tokens=load["queued_prefill_tokens"], running_decode_reqs=load["running"],
-            free_kv_blocks=load["free_kv_blocks"], total_kv_blocks=load["total_kv_blocks"],
-        ))
+        self.conductor.update_load(m.instance_id, InstanceLoad(**{f: load[f] for f in LOAD_FIELDS}))
         m.load, m.info = load, {k: data[k] for k in ("model", "namespace", "block_size", "max_model_len")}
         m.boot_id, m.cursor, m.misses, m.error, m.last_ok = data["boot_id"], data["cursor"], 0, None, time.time()
         if not m.up:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from kvpool.core.hashing import BlockHash
 from kvpool.errors import ConfigError
+from kvpool.sched.instance_load import InstanceLoad
+
+__all__ = ["InstanceLoad"]  # the conductor's input; defined in the core, where instances compute it
 
 POLICIES = ("random", "round-robin", "least-load", "cache-aware", "kv-centric")
 REJECTIONS = ("none", "early", "predictive")
@@ -45,20 +48,6 @@ class ConductorConfig:
             )
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceLoad:
-    """What an instance reports about itself; the conductor adds its own estimates on top
-    between two reports. `decode_context_tokens` is the total context of its running
-    decode batch (0 when unknown); `free_kv_blocks` counts evictable cached blocks as free;
-    `total_kv_blocks` 0 means "no KV limit reported"."""
-
-    queued_prefill_tokens: int = 0
-    running_decode_reqs: int = 0
-    free_kv_blocks: int = 0
-    total_kv_blocks: int = 0
-    decode_context_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,13 +8,10 @@ internal fragmentation, external fragmentation and free. Pure Python; a slot is 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvpool.errors import ConfigError, InvalidRequest, KVPoolError, OutOfBlocks, UnknownSequence
-
-logger = logging.getLogger(__name__)
 
 
 def next_pow2(n: int) -> int:

@@ -37,14 +37,26 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+def chain_hashes(parent: BlockHash, data: bytes, block_size: int, extra: bytes = b"") -> list[BlockHash]:
+    """The chained-hash loop, the one every caller runs: hashes of each full block of `data`
+    (tokens as little-endian int64, `block_size` per block) from `parent` on; `extra` key
+    bytes enter the first block. A trailing partial block is not hashed."""
+    step = 8 * block_size
+    out: list[BlockHash] = []
+    for i in range(0, len(data) - step + 1, step):
+        h = new_hash()
+        h.update(parent + data[i : i + step])
+        if extra:
+            h.update(b"\x00extra\x00" + extra)
+            extra = b""
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash of one full block given its parent's hash and optional extra key bytes."""
-    h = new_hash()
-    h.update(parent)
-    h.update(_token_bytes(tokens))
-    if extra:
-        h.update(b"\x00extra\x00" + extra)
-    return h.digest()
+    return chain_hashes(parent, _token_bytes(tokens), len(tokens), extra)[0]
 
 
 def hash_blocks(
@@ -54,17 +66,19 @@ def hash_blocks(
     cache_salt: str | None = None,
     parent: BlockHash | None = None,
     start_block: int = 0,
+    limit: int | None = None,
 ) -> list[BlockHash]:
-    """Hashes of every *full* block of `tokens`, from block `start_block` on.
+    """Hashes of every *full* block of `tokens` (at most `limit` blocks in all), from block
+    `start_block` on.
 
     `parent` is the hash of block `start_block - 1` (None means the root of `namespace`),
-    which lets a caller extend a sequence's hashes without rehashing its prefix.
+    which lets a caller extend a sequence's hashes without rehashing its prefix. The salt
+    enters block 0 only.
     """
     if parent is None:
         parent = root_hash(namespace)
-    out: list[BlockHash] = []
-    salt = cache_salt.encode() if cache_salt else b""
-    for i in range(start_block, len(tokens) // block_size):
-        parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], salt if i == 0 else b"")
-        out.append(parent)
-    return out
+    end = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
+    if end <= start_block:
+        return []
+    salt = cache_salt.encode() if cache_salt and start_block == 0 else b""
+    return chain_hashes(parent, _token_bytes(tokens[start_block * block_size : end * block_size]), block_size, salt)

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.core.block_pool import BlockPool, KVEvents
-from kvpool.core.hashing import BlockHash, hash_block, root_hash
+from kvpool.core.hashing import BlockHash, hash_blocks, root_hash
 from kvpool.errors import ConfigError, KVStateError, OutOfBlocks, UnknownSequence
 
 CopyOp = tuple[int, int]  # (src block, dst block), device to device
@@ -149,21 +149,23 @@ class KVCacheManager:
         except KeyError:
             raise UnknownSequence(f"sequence {seq_id} is not allocated (never allocated, or already freed)") from None
 
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self.seqs
+
     def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's blocks in order (the live list: valid until its next change)."""
         return self.seq(seq_id).blocks
+
+    def last_block_shared(self, seq_id: int) -> bool:
+        """The sequence's last block is partly filled and shared: its next write copies it."""
+        seq = self.seq(seq_id)
+        return bool(seq.num_tokens % self.block_size) and self.pool.ref_counts[seq.blocks[-1]] > 1
 
     def prompt_hashes(
         self, token_ids: Sequence[int], cache_salt: str | None = None, limit: int | None = None
     ) -> list[BlockHash]:
         """Chained hashes of the full blocks of `token_ids` (at most `limit` of them)."""
-        B = self.block_size
-        n = len(token_ids) // B if limit is None else min(limit, len(token_ids) // B)
-        out, parent = [], self._root
-        salt = cache_salt.encode() if cache_salt else b""
-        for i in range(n):
-            parent = hash_block(parent, token_ids[i * B : (i + 1) * B], salt if i == 0 else b"")
-            out.append(parent)
-        return out
+        return hash_blocks(token_ids, self.block_size, cache_salt=cache_salt, parent=self._root, limit=limit)
 
     def match_prefix(self, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> PrefixHit:
         """Longest run of cached blocks from block 0, leaving the last prompt token to compute."""
@@ -291,14 +293,12 @@ class KVCacheManager:
         if seq.num_registered < known:  # hashes given at allocation: register them in one pass
             self.pool.register_many(seq.blocks[seq.num_registered : known], hashes[seq.num_registered : known])
             seq.num_registered = known
-        while seq.num_registered < full:
-            i = seq.num_registered
-            if i >= len(hashes):
-                parent = hashes[i - 1] if i else self._root
-                salt = seq.cache_salt.encode() if (i == 0 and seq.cache_salt) else b""
-                hashes.append(hash_block(parent, token_ids[i * B : (i + 1) * B], salt))
-            self.pool.register(seq.blocks[i], hashes[i])
-            seq.num_registered += 1
+        if seq.num_registered < full:  # hash the blocks filled since (decode, partial prompt tail)
+            i = len(hashes)
+            hashes += hash_blocks(token_ids, B, cache_salt=seq.cache_salt, parent=hashes[-1] if i else self._root,
+                                  start_block=i, limit=full)
+            self.pool.register_many(seq.blocks[seq.num_registered : full], hashes[seq.num_registered : full])
+            seq.num_registered = full
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (no copy until a write)."""

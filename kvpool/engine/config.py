@@ -32,7 +32,6 @@ class EngineConfig:
     eviction_policy: str = "lru"
     preemption_mode: str = "recompute"
     watermark: float = 0.01
-    seed: int = 0
     threads: int | None = None
     max_logprobs: int = 20
     cpu_weight_packing: bool = True  # oneDNN-packed projections on CPU (faster; same results to rounding)

@@ -1,20 +1,25 @@
-"""The engine: one `step()` = schedule, move blocks, run the model, sample, bookkeep.
+"""The engine: one `step()` = `schedule()`, the model and the sampler, `postprocess()`.
 
-It is the real-time driver of the pure scheduler; the simulator is the other one.
+It is the real-time driver of the pure scheduler; the simulator is the other one. What a
+request's fate is (forks, beams, stops, frees) is decided in the scheduler; the engine turns
+logits into samples and tokens into text. A failure it can pin on requests fails only those:
+a bad request is refused before it touches any state, an exception in one request's sampling
+or text fails that request, and an exception in the shared forward fails the step's requests
+(their blocks freed) and leaves the engine ready for the next step.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from kvpool.core.block_pool import KVEvents
-from kvpool.engine.beam import BeamState, beam_step
 from kvpool.engine.config import EngineConfig, available_host_memory
 from kvpool.engine.kv_io import KVStoreConnector
 from kvpool.engine.loader import LoadedModel, load_model
@@ -24,7 +29,10 @@ from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampler import RowParams, sample
 from kvpool.engine.tokenizer import IncrementalDetokenizer
 from kvpool.errors import InvalidRequest
-from kvpool.sched.request import FinishReason, Sequence, SequenceGroup
+from kvpool.sched.beam import beam_candidates
+from kvpool.sched.instance_load import decode_accepts, load_report
+from kvpool.sched.output import Sample, SchedulerOutput
+from kvpool.sched.request import Sequence, SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig
 from kvpool.sizes import parse_bytes
@@ -38,7 +46,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class _SeqText:
     detok: IncrementalDetokenizer
     text: str = ""
-    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the engine keeps per request beside the scheduler's group: the prompt text, the
+    per-sample generators (seed + sample index), the metrics clock and each sample's text."""
+
+    prompt: str | None
+    metrics: RequestMetrics
+    generators: list[torch.Generator] | None
+    texts: dict[int, _SeqText]
 
 
 class Engine:
@@ -87,14 +105,11 @@ class Engine:
             num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * per_block / 2**20,
             self.max_model_len, num_blocks * config.block_size / self.max_model_len,
         )
-        self._texts: dict[int, _SeqText] = {}
-        self._beams: dict[str, BeamState] = {}
-        self._metrics: dict[str, RequestMetrics] = {}
-        self._prompts: dict[str, str | None] = {}
+        self._requests: dict[str, _Request] = {}
+        self._failed: dict[str, str] = {}  # request id -> why, found while stepping
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_prompt_tokens = 0
-        self.num_generated_tokens = 0
 
     def _make_store(self):
         c, m = self.config, self.loaded.config
@@ -125,16 +140,17 @@ class Engine:
         return net
 
     def load_report(self) -> dict[str, int]:
+        """What this instance reports to a conductor: the `InstanceLoad` fields, computed by the
+        same core function as the simulator's (kvpool/sched/instance_load.py), plus queue
+        lengths for people reading /internal/state ("running" counts sequences)."""
         sched = self.scheduler
-        usage = sched.kv.usage()
-        queued = sum(len(s.token_ids) - s.num_computed_tokens for g in sched.waiting for s in g.live_seqs)
-        queued += sum(
-            len(s.token_ids) - s.num_computed_tokens for g in sched.running for s in g.live_seqs if s.in_prefill
-        )
-        return {
-            "queued_prefill_tokens": queued, "running": sched.num_running_seqs, "waiting": len(sched.waiting),
-            "swapped": len(sched.swapped), "free_kv_blocks": usage.free_blocks, "total_kv_blocks": usage.total_blocks,
-        }
+        return {**asdict(load_report(sched)), "running": sched.num_running_seqs,
+                "waiting": len(sched.waiting), "swapped": len(sched.swapped)}
+
+    def decode_accepts(self, prompt_len: int, max_tokens: int) -> bool:
+        """Would this instance, as a decode instance, take a prefilled request of `prompt_len`
+        tokens that generates `max_tokens` more (the simulator's decode admission, same function)?"""
+        return decode_accepts(self.scheduler, prompt_len, max_tokens)
 
     def close(self) -> None:
         if self.kv_store is not None:
@@ -155,6 +171,10 @@ class Engine:
     def eos_token_ids(self) -> tuple[int, ...]:
         return tuple(self.tokenizer.eos_token_ids)
 
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.scheduler.num_generated_tokens
+
     # -- requests --------------------------------------------------------------------------
     def add_request(
         self,
@@ -164,207 +184,255 @@ class Engine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequest and changes nothing on bad input."""
-        params = params or SamplingParams()
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        """Validate and queue a request. Atomic: every check runs before anything changes, so
+        it raises InvalidRequest having changed nothing, or enters every structure."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}", param="params")
+        params.validate()  # again: fields may have been assigned since construction
+        vocab = self.loaded.config.vocab_size
+        params.check_vocab(vocab)
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise InvalidRequest(f"logprobs must be <= {self.config.max_logprobs}", param="logprobs")
+        if request_id is not None and not isinstance(request_id, str):
+            raise InvalidRequest(f"request_id must be a string, got {request_id!r}", param="request_id")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequest(f"cache_salt must be a string, got {cache_salt!r}", param="cache_salt")
+        if arrival_time is not None and (not isinstance(arrival_time, int | float) or not math.isfinite(arrival_time)):
+            raise InvalidRequest(f"arrival_time must be a finite number, got {arrival_time!r}", param="arrival_time")
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
         else:
             text = None
             token_ids = list(prompt)
-            vocab = self.loaded.config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
                 raise InvalidRequest(f"prompt token ids must be integers in 0..{vocab - 1}", param="prompt")
         if not token_ids:
             raise InvalidRequest("prompt is empty", param="prompt")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise InvalidRequest(f"logprobs must be <= {self.config.max_logprobs}", param="logprobs")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        generators = None
+        if params.seed is not None and not params.use_beam_search:
+            generators = [torch.Generator(device=self.device).manual_seed(params.seed + i) for i in range(params.n)]
         seq = self.scheduler.new_sequence(token_ids)
         group = SequenceGroup(
             request_id, [seq], params, arrival_time if arrival_time is not None else time.monotonic(),
             eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
         )
-        self.scheduler.add_request(group)
-        self._metrics[request_id] = RequestMetrics(group.arrival_time)
-        self._prompts[request_id] = text
-        if params.use_beam_search:
-            self._beams[request_id] = BeamState()
-        else:
-            self._track(group, seq)
+        texts = {} if params.use_beam_search else {seq.seq_id: self._new_text(group, seq)}
+        self.scheduler.add_request(group)  # the last check; from here nothing can fail
+        metrics = RequestMetrics(request_id, group.arrival_time, len(token_ids))
+        self._requests[request_id] = _Request(text, metrics, generators, texts)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         group = self.scheduler.abort(request_id)
-        if group is None:
-            return False
-        self._forget(group)
-        return True
+        self._requests.pop(request_id, None)
+        return group is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration. Requests that failed in it come back finished, with `error` set."""
         sched = self.scheduler
         out = sched.schedule()
-        if self.kv_store is not None:
-            self.kv_store.before_forward(out, self._events())
-        elif self.config.publish_kv_events:
-            self._events()
-        if out.is_empty:
+        try:
             if self.kv_store is not None:
-                self.kv_store.complete_loads()
-            return []
-        now = time.monotonic()
-        tables = [sched.kv.block_table(s.seq.seq_id) for s in out.scheduled]
-        logits = self.runner.execute(out, tables)
-        sched.update(out)
-        if self.kv_store is not None:
-            self.kv_store.after_update(self._events())
-            self.kv_store.complete_loads()
-        elif self.config.publish_kv_events:
-            self._events()
+                self.kv_store.before_forward(out, self._events())
+            elif self.config.publish_kv_events:
+                self._events()
+            if out.is_empty:
+                if self.kv_store is not None:
+                    self.kv_store.complete_loads()
+                return []
+            now = time.monotonic()
+            logits = self.runner.execute(out, out.block_tables)
+        except Exception as e:  # noqa: BLE001 - the shared forward: fail this step's requests
+            logger.exception("engine step failed; failing the %d request(s) it scheduled", len(out.scheduled))
+            return self._fail_step(out, f"engine error: {type(e).__name__}: {e}")
         self.num_steps += 1
-        touched: dict[str, SequenceGroup] = {}
         for s in out.scheduled:
-            m = self._metrics[s.group.request_id]
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
+            m = self._requests[s.group.request_id].metrics
+            if m.first_scheduled_s is None:
+                m.first_scheduled_s = now
             if s.start < s.seq.prompt_len:
                 self.num_prompt_tokens += min(s.start + s.num_new_tokens, s.seq.prompt_len) - s.start
-        self._sample(out, logits, touched)
+        rows = out.sampling
+        sampled = self._sample(rows, logits)
+        touched = {s.group.request_id: s.group for s in rows}
+        self._fail_marked(touched)
+        try:
+            finished = {g.request_id for g in sched.postprocess(out, sampled, self._on_text)}
+        except Exception as e:  # noqa: BLE001 - a bookkeeping bug must not wedge the engine
+            logger.exception("postprocess failed; failing the step's requests")
+            return self._fail_step(out, f"engine error: {type(e).__name__}: {e}")
+        self._fail_marked(touched)
+        try:
+            if self.kv_store is not None:
+                self.kv_store.after_update(self._events())
+                self.kv_store.complete_loads()
+            elif self.config.publish_kv_events:
+                self._events()
+        except Exception:  # noqa: BLE001 - the store is best effort; the tokens are computed
+            logger.exception("KV store write-through after the step failed")
         now = time.monotonic()
-        for g in touched.values():
-            m = self._metrics[g.request_id]
-            m.first_token_time = m.first_token_time or now
-            m.last_token_time = now
-            m.token_times.append(now)
-        finished = {g.request_id for g in sched.free_finished()}
         results = []
         for rid, g in touched.items():
-            if rid in finished:
-                self._metrics[rid].finished_time = now
-            results.append(self._output(g, rid in finished))
-            if rid in finished:
-                self._forget(g)
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            req.metrics.on_token(now)
+            error = self._failed.pop(rid, None)
+            done = rid in finished or error is not None
+            if done:
+                req.metrics.finish(now)
+                del self._requests[rid]
+            results.append(self._output(g, req, done, error))
+        self._failed.clear()
         return results
 
-    def _sample(self, out, logits: torch.Tensor, touched: dict[str, SequenceGroup]) -> None:
+    def _fail_step(self, out: SchedulerOutput, reason: str) -> list[RequestOutput]:
+        """The forward (or the store around it) failed: fail every request whose KV it was to
+        write or move (scheduled, swapped out or loading this step), freeing their blocks."""
+        groups = {s.group.request_id: s.group for s in out.scheduled}
+        groups.update({g.request_id: g for g in out.preempted if g in self.scheduler.swapped})
+        groups.update({ld.group.request_id: ld.group for ld in out.kv_loads})
+        now = time.monotonic()
+        results = []
+        for rid, g in groups.items():
+            self.scheduler.abort(rid)
+            req = self._requests.pop(rid, None)
+            if req is not None:
+                req.metrics.finish(now)
+                results.append(self._output(g, req, True, reason))
+        return results
+
+    def _fail_marked(self, touched: dict[str, SequenceGroup]) -> None:
+        """Abort the requests whose own work (sampling, text) failed; they report their error."""
+        for rid in self._failed:
+            group = self.scheduler.abort(rid)
+            if group is not None:
+                touched.setdefault(rid, group)
+
+    def _sample(self, rows, logits: torch.Tensor) -> list[Sample | None]:
+        """One Sample per sampling row: `num_samples` tokens for plain rows (each sample with its
+        own generator), the best continuations for beam rows. A row whose sampling raises
+        fails its request only (the batch is retried row by row to find it)."""
+        sampled: list[Sample | None] = [None] * len(rows)
+        plain, beam = [], []
+        for i, s in enumerate(rows):
+            (beam if s.group.beam is not None else plain).append(i)
+        if plain:
+            try:
+                self._sample_plain(rows, plain, logits, sampled)
+            except Exception:  # noqa: BLE001 - find the request it belongs to
+                for i in plain:
+                    try:
+                        self._sample_plain(rows, [i], logits, sampled)
+                    except Exception as e:  # noqa: BLE001
+                        logger.exception("sampling failed for request %s", rows[i].group.request_id)
+                        self._failed[rows[i].group.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+        if beam:
+            groups: dict[str, list[int]] = {}
+            for i in beam:
+                groups.setdefault(rows[i].group.request_id, []).append(i)
+            for rid, idx in groups.items():
+                try:
+                    m = beam_candidates(rows[idx[0]].group)
+                    lp = torch.log_softmax(logits[torch.tensor(idx, dtype=torch.long)].float(), dim=-1)
+                    top = torch.topk(lp, min(m, lp.shape[-1]), dim=-1)
+                    for j, i in enumerate(idx):
+                        sampled[i] = Sample(candidates=list(zip(top.indices[j].tolist(), top.values[j].tolist(),
+                                                                strict=True)))
+                except Exception as e:  # noqa: BLE001
+                    logger.exception("beam step failed for request %s", rid)
+                    self._failed[rid] = f"beam search failed: {type(e).__name__}: {e}"
+        return sampled
+
+    def _sample_plain(self, rows, idx: list[int], logits: torch.Tensor, sampled: list[Sample | None]) -> None:
+        """Sample rows `idx` in one batch: row i gives `num_samples` tokens, sample j drawn with
+        generator j (seed + j) of its request."""
         sched = self.scheduler
-        beam_rows: dict[str, list[int]] = {}
-        rows, targets = [], []  # per sampled row: (group, seq)
-        for i, s in enumerate(x for x in out.scheduled if x.samples):
-            g, seq = s.group, s.seq
-            if seq.is_finished:
-                continue
-            touched[g.request_id] = g
-            if g.params.use_beam_search:
-                beam_rows.setdefault(g.request_id, []).append(i)
-                continue
-            if g.params.n > 1 and not g.forked:
-                g.forked = True
-                for _ in range(g.params.n - 1):
-                    child = sched.fork(g, seq)
-                    child.sample_index = len(g.seqs) - 1
-                    self._track(g, child)
-                    rows.append(i)
-                    targets.append((g, child))
-            rows.append(i)
-            targets.append((g, seq))
-        if rows:
-            params = [self._row_params(g, seq) for g, seq in targets]
-            row_logits = logits[torch.tensor(rows, dtype=torch.long)]
-            self._mask_early_stops(row_logits, targets)
-            result = sample(row_logits, params)
-            for j, (g, seq) in enumerate(targets):
-                token = result.token_ids[j]
-                if g.params.logprobs is not None:
-                    seq.logprobs.append(result.logprobs[j])
-                    seq.top_logprobs.append(result.top_logprobs[j] if result.top_logprobs else [])
-                done = sched.append_token(g, seq, token, result.logprobs[j])
-                self.num_generated_tokens += 1
-                self._detok(g, seq, token, done)
-        for rid, idx in beam_rows.items():
-            g = sched.groups[rid]
-            beams = g.live_seqs
-            before = sum(len(b.token_ids) for b in beams)
-            beam_step(sched, g, self._beams[rid], beams, logits[torch.tensor(idx, dtype=torch.long)])
-            self.num_generated_tokens += max(0, sum(len(b.token_ids) for b in g.live_seqs) - before)
+        take, params, spans = [], [], []
+        for i in idx:
+            s = rows[i]
+            g = s.group
+            req = self._requests[g.request_id]
+            p = g.params
+            first = s.seq.sample_index
+            spans.append((i, len(take), s.num_samples))
+            for j in range(s.num_samples):
+                take.append(i)
+                gen = req.generators[first + j] if req.generators is not None else None
+                params.append(RowParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                                        generator=gen, num_logprobs=p.logprobs or 0))
+        row_logits = logits[torch.tensor(take, dtype=torch.long)]
+        for i, at, n in spans:
+            banned = sched.early_stop_tokens(rows[i].group, rows[i].seq)
+            if banned:
+                row_logits[at : at + n, banned] = float("-inf")
+        result = sample(row_logits, params)
+        for i, at, n in spans:
+            want_top = rows[i].group.params.logprobs is not None and result.top_logprobs
+            sampled[i] = Sample(result.token_ids[at : at + n], result.logprobs[at : at + n],
+                                result.top_logprobs[at : at + n] if want_top else None)
 
-    @staticmethod
-    def _mask_early_stops(logits: torch.Tensor, targets: list[tuple[SequenceGroup, Sequence]]) -> None:
-        """Below min_tokens, EOS and stop tokens cannot be sampled (as in vLLM and HF)."""
-        for row, (g, seq) in enumerate(targets):
-            if seq.num_output_tokens < g.params.min_tokens:
-                banned = list(g.params.stop_token_ids) + ([] if g.params.ignore_eos else list(g.eos_token_ids))
-                if banned:
-                    logits[row, banned] = float("-inf")
+    def _new_text(self, g: SequenceGroup, seq: Sequence) -> _SeqText:
+        return _SeqText(IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.prompt_len],
+                                               skip_special_tokens=g.params.skip_special_tokens))
 
-    def _row_params(self, g: SequenceGroup, seq: Sequence) -> RowParams:
-        p = g.params
-        return RowParams(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-            generator=self._texts[seq.seq_id].generator,
-            num_logprobs=p.logprobs or 0,
-        )
+    def _on_text(self, g: SequenceGroup, seq: Sequence, check_stops: bool) -> str | None:
+        """The scheduler's detokenizer hook: extend the sample's text by its newest token and,
+        when asked, report (and trim) a stop string the text now contains. Also on the last
+        allowed token: a stop string that ends there still stops the text ("stop", trimmed)."""
+        rid = g.request_id
+        if rid in self._failed:
+            return None
+        try:
+            texts = self._requests[rid].texts
+            st = texts.get(seq.seq_id)
+            if st is None:  # a sample forked this step: its text starts from the prompt
+                st = texts[seq.seq_id] = self._new_text(g, seq)
+            st.text += st.detok.step(seq.token_ids[-1:])
+            if not check_stops:
+                return None
+            for stop in g.params.stop:
+                at = st.text.find(stop, max(0, len(st.text) - len(stop) - 16))
+                if at >= 0:
+                    st.text = st.text[: at + len(stop)] if g.params.include_stop_str_in_output else st.text[:at]
+                    return stop
+            return None
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            logger.exception("detokenizing failed for request %s", rid)
+            self._failed[rid] = f"detokenizing failed: {type(e).__name__}: {e}"
+            return None
 
-    def _track(self, g: SequenceGroup, seq: Sequence) -> None:
-        gen = None
-        if g.params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(g.params.seed + seq.sample_index)
-        self._texts[seq.seq_id] = _SeqText(
-            IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.prompt_len],
-                                   skip_special_tokens=g.params.skip_special_tokens),
-            generator=gen,
-        )
-
-    def _detok(self, g: SequenceGroup, seq: Sequence, token: int, done: bool) -> None:
-        st = self._texts[seq.seq_id]
-        if done and seq.finish_reason is FinishReason.STOP and seq.stop_reason is None and not g.params.ignore_eos:
-            return  # EOS is not part of the text
-        st.text += st.detok.step([token])
-        if not g.params.stop or done:
-            return
-        for stop in g.params.stop:
-            at = st.text.find(stop, max(0, len(st.text) - len(stop) - 16))
-            if at >= 0:
-                st.text = st.text[: at + len(stop)] if g.params.include_stop_str_in_output else st.text[:at]
-                self.scheduler.finish_seq(g, seq, FinishReason.STOP, stop_reason=stop)
-                return
-
-    def _output(self, g: SequenceGroup, finished: bool) -> RequestOutput:
-        if g.params.use_beam_search:
-            outs = self._beam_outputs(g, finished)
+    def _output(self, g: SequenceGroup, req: _Request, finished: bool, error: str | None = None) -> RequestOutput:
+        if g.beam is not None:
+            outs = self._beam_outputs(g, finished and error is None)
         else:
             outs = []
+            want_lp = g.params.logprobs is not None
             for seq in sorted(g.seqs, key=lambda s: s.sample_index):
-                st = self._texts[seq.seq_id]
-                want_lp = g.params.logprobs is not None
+                st = req.texts.get(seq.seq_id)
                 outs.append(CompletionOutput(
-                    seq.sample_index, seq.output_ids, st.text,
+                    seq.sample_index, seq.output_ids, st.text if st is not None else "",
                     seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
                     seq.cumulative_logprob, list(seq.logprobs) if want_lp else None,
                     list(seq.top_logprobs) if want_lp else None,
                 ))
         return RequestOutput(
             g.request_id, g.prompt_token_ids, outs, finished, g.num_cached_prompt_tokens,
-            self._metrics[g.request_id], self._prompts.get(g.request_id),
+            req.metrics, req.prompt, error,
         )
 
     def _beam_outputs(self, g: SequenceGroup, finished: bool) -> list[CompletionOutput]:
-        state = self._beams[g.request_id]
         if not finished:
             return [CompletionOutput(i, b.output_ids, "") for i, b in enumerate(g.live_seqs)]
         skip = g.params.skip_special_tokens
         return [
             CompletionOutput(i, ids, self.tokenizer.decode(ids, skip_special_tokens=skip), reason.value, None, score)
-            for i, (score, ids, reason) in enumerate(state.finished)
+            for i, (score, ids, reason) in enumerate(g.beam.finished)
         ]
-
-    def _forget(self, g: SequenceGroup) -> None:
-        for seq in g.seqs:
-            self._texts.pop(seq.seq_id, None)
-        self._beams.pop(g.request_id, None)
-        self._metrics.pop(g.request_id, None)
-        self._prompts.pop(g.request_id, None)

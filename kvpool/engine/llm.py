@@ -10,6 +10,7 @@ from tqdm import tqdm
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
 from kvpool.engine.outputs import RequestOutput
+from kvpool.errors import KVPoolError
 from kvpool.sched.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,14 @@ class LLM:
         per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(per) != len(prompts):
             raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per, strict=True)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, per, strict=True):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:  # all prompts or none
+                self.engine.abort(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -70,4 +78,7 @@ class LLM:
                         bar.update(1)
         finally:
             bar.close()
+        failed = [o for o in done.values() if o.error is not None]
+        if failed:
+            raise KVPoolError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return [done[i] for i in ids]

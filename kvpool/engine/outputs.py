@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from kvpool.sched.metrics import RequestMetrics
+
+__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]
 
 
 @dataclass(slots=True)
@@ -15,18 +19,6 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """Driver-clock timestamps (seconds); the scheduler itself never reads a clock."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -2,20 +2,23 @@
 nothing else can happen, taken without building a SchedulerOutput.
 
 A driver that steps many times between changes (the simulator between arrivals) asks
-`decode_batch(scheduler)` for the batch; until a sequence finishes or anything else calls the
-scheduler, `DecodeBatch.step()` does exactly what `schedule()` + `update()` would do: the same
-slot reservations, then the same commits, in the same order, so the KV state, its events and
-its statistics are identical (tests/sched compares the two paths). The driver appends the
-sampled tokens with `Scheduler.append_token` as usual.
+`Scheduler.plain_decode()` for the batch; until a sequence finishes or anything else calls the
+scheduler, `DecodeBatch.step(tokens)` does exactly what `schedule()` + `postprocess()` would do:
+the same slot reservations, the same commits in the same order, then the same token appends
+and stop checks (`Scheduler._append`), so the KV state, its events and its statistics are
+identical (tests/sched compares the two paths).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvpool.core.kv_manager import KVCacheManager
 from kvpool.sched.request import Sequence, SequenceGroup
-from kvpool.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from kvpool.sched.scheduler import Scheduler
 
 
 @dataclass(slots=True)
@@ -25,13 +28,15 @@ class DecodeBatch:
 
     seqs: list[tuple[SequenceGroup, Sequence]]
     steps: int
-    kv: KVCacheManager
+    sched: Scheduler
 
-    def step(self) -> None:
-        """One step's `schedule()` + `update()`: a slot for each newest token, then commit. A
-        sequence's full blocks are all committed (checked by `decode_batch`), so only a step
-        that fills a block has one to register; the others skip the call."""
-        kv = self.kv
+    def step(self, token_ids: Seq[int]) -> list[SequenceGroup]:
+        """One step's `schedule()` + `postprocess()`: a slot for each newest token, commit, then
+        append `token_ids[i]` to `seqs[i]` with every stop check. Returns the groups that
+        finished (freed); after a finish the batch is spent. A sequence's full blocks are all
+        committed (checked by `plain_decode`), so only a step that fills a block registers one."""
+        sched = self.sched
+        kv = sched.kv
         append, commit, B = kv.append_slots, kv.commit, kv.block_size
         for _, seq in self.seqs:
             append(seq.seq_id, 1)
@@ -39,36 +44,40 @@ class DecodeBatch:
             seq.num_computed_tokens = n = seq.num_computed_tokens + 1
             if n % B == 0:
                 commit(seq.seq_id, seq.token_ids, n)
+        add = sched._append
+        finished = False
+        for (g, seq), token in zip(self.seqs, token_ids, strict=True):
+            finished |= add(g, seq, token)
+        return sched.free_finished() if finished else []
 
 
-def decode_batch(sched: Scheduler) -> DecodeBatch | None:
+def plain_decode(sched: Scheduler) -> DecodeBatch | None:
     """The batch when the next steps are plain decode steps, else None. Plain: no group waits,
-    is swapped out or loads KV; every live sequence is past its prompt with exactly its newest
-    token to compute, no slot for it yet and its full blocks committed; no partial last block
-    is shared (no copy-on-write); the batch fits `max_num_seqs` and the token budget. `steps` (>= 1) stops at the step in which
-    the first sequence reaches max_tokens and never needs more blocks than are free, so no step
-    preempts. Assumes the driver appends no stop token (a finish ends the batch)."""
+    is swapped out or loads KV; every group has one live sequence (no forks, no beams) past its
+    prompt with exactly its newest token to compute, no slot for it yet and its full blocks
+    committed; no partial last block is shared (no copy-on-write); the batch fits
+    `max_num_seqs` and the token budget. `steps` (>= 1) stops at the step in which the first
+    sequence reaches max_tokens and never needs more blocks than are free, so no step preempts."""
     if sched.waiting or sched.swapped or not sched.running:
         return None
     kv, cfg = sched.kv, sched.config
     B = cfg.block_size
-    ref_counts = kv.pool.ref_counts
     caching = kv.enable_prefix_caching
     seqs: list[tuple[SequenceGroup, Sequence]] = []
     slots: list[int] = []  # tokens with a slot, per sequence
     held = 0
     steps = cfg.max_model_len
     for group in sched.running:
-        if group.pending_kv_loads or not group.first_scheduled:
+        if group.pending_kv_loads or not group.first_scheduled or group.params.n > 1:
             return None
         for seq in group.live_seqs:
             n = len(seq.token_ids)
-            entry = kv.seqs[seq.seq_id]
+            entry = kv.seq(seq.seq_id)
             if n - seq.num_computed_tokens != 1 or n <= seq.prompt_len or entry.num_tokens != n - 1:
                 return None
             if caching and entry.num_registered != (n - 1) // B:
                 return None
-            if entry.num_tokens % B and ref_counts[entry.blocks[-1]] > 1:
+            if entry.num_tokens % B and kv.last_block_shared(seq.seq_id):
                 return None
             seqs.append((group, seq))
             slots.append(entry.num_tokens)
@@ -77,7 +86,7 @@ def decode_batch(sched: Scheduler) -> DecodeBatch | None:
     if len(seqs) > min(cfg.max_num_seqs, cfg.max_num_batched_tokens) or steps < 1:
         return None
     steps = _steps_within(slots, held, B, steps, kv.num_free_blocks)
-    return DecodeBatch(seqs, steps, kv) if steps else None
+    return DecodeBatch(seqs, steps, sched) if steps else None
 
 
 def _steps_within(slots: list[int], held: int, block_size: int, steps: int, free: int) -> int:

@@ -56,6 +56,15 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens > 1
 
 
+@dataclass(slots=True)
+class BeamState:
+    """A beam search's k best finished hypotheses so far: (normalized score, output ids,
+    reason), best first; `improvable` turns False once no running beam can beat the worst."""
+
+    finished: list[tuple[float, list[int], FinishReason]] = field(default_factory=list)
+    improvable: bool = True
+
+
 @dataclass(slots=True, eq=False)
 class SequenceGroup:
     """A request: its live sequences (n samples or beams) are scheduled and preempted together."""
@@ -67,16 +76,20 @@ class SequenceGroup:
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
     prompt_hashes: list[BlockHash] | None = None
-    finished_seqs: list[Sequence] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled: bool = False
     forked: bool = False
     pending_kv_loads: set[int] = field(default_factory=set)  # external KV loads in flight (ids)
+    beam: BeamState | None = None  # a beam search's finished hypotheses (made for one)
+
+    def __post_init__(self) -> None:
+        if self.params.use_beam_search and self.beam is None:
+            self.beam = BeamState()
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        seq = self.seqs[0] if self.seqs else self.finished_seqs[0]
+        seq = self.seqs[0]  # a group always keeps a sequence (beam pruning keeps the survivors)
         return seq.token_ids[: seq.prompt_len]
 
     @property
@@ -89,8 +102,3 @@ class SequenceGroup:
     @property
     def is_finished(self) -> bool:
         return all(s.status is SeqStatus.FINISHED for s in self.seqs)
-
-    @property
-    def status(self) -> SeqStatus:
-        live = self.live_seqs
-        return live[0].status if live else SeqStatus.FINISHED

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvpool.errors import InvalidRequest
 
 MAX_N = 16
+MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
 
 
 @dataclass(slots=True)
@@ -45,22 +47,26 @@ class SamplingParams:
             raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
         return cls(**values)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def validate(self) -> None:
+        """Every type and range check of a request's parameters, before it touches any state:
+        exact types (a bool is not an integer), finite numbers, seeds whose every sample's
+        generator seed (`seed + sample_index`) fits in 64 bits."""
+
         def bad(param: str, message: str) -> InvalidRequest:
             return InvalidRequest(f"{param} {message}", param=param)
 
-        for name, typ in (("n", int), ("max_tokens", int), ("min_tokens", int), ("top_k", int)):
+        for name in ("n", "max_tokens", "min_tokens", "top_k"):
             v = getattr(self, name)
-            if not isinstance(v, typ) or isinstance(v, bool):
+            if not _is_int(v):
                 raise bad(name, f"must be an integer, got {v!r}")
         for name in ("temperature", "top_p", "min_p", "length_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool):
-                raise bad(name, f"must be a number, got {v!r}")
+            if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
+                raise bad(name, f"must be a finite number, got {v!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_beam_search"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise bad(name, f"must be true or false, got {v!r}")
         if not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be in 1..{MAX_N}, got {self.n}")
         if self.max_tokens < 1:
@@ -75,13 +81,28 @@ class SamplingParams:
             raise bad("top_k", f"must be -1 or 0 (off) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise bad("seed", f"must be an integer, got {self.seed!r}")
+            if not 0 <= self.seed <= MAX_SEED - (self.n - 1):
+                raise bad("seed", f"must be in 0..{MAX_SEED - (self.n - 1)} (sample i uses seed + i, "
+                                  f"below 2**64) for n={self.n}, got {self.seed}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a string or a list of non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of token ids")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be a list of non-negative token ids, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be an integer in 0..20, got {self.logprobs!r}")
         if self.use_beam_search and self.n < 2:
             raise bad("n", "beam search needs n >= 2 beams")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the model can produce: raises when a stop token id is outside the vocabulary."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidRequest(f"stop_token_ids: {t} is not a token id (the vocabulary has {vocab_size})",
+                                     param="stop_token_ids")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -1,8 +1,10 @@
 """Iteration-level scheduling over the KV manager: who runs this step, with which tokens.
 
-Pure Python and clock-free: the real engine and the simulator both call `schedule()`,
-carry out the returned plan (copies, swaps, a forward pass or its cost), then report
-back with `update()` and `append_token()`.
+Pure Python and clock-free. Every driver's step is three calls: `out = schedule()`; the
+driver carries out the plan (copies, swaps, a forward pass and sampling, or their cost);
+`postprocess(out, sampled)` commits the written KV, forks a request's samples on its first
+token, runs beam steps, appends tokens, checks every stop condition (stop strings through the
+driver's detokenizer hook) and frees what finished.
 
 Policy, in order, each step:
 1. running groups, oldest first: decode tokens and prefill chunks within the token budget;
@@ -18,14 +20,24 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from kvpool.core.hashing import BlockHash
-from kvpool.core.kv_manager import CopyOp, KVCacheManager, SwapMap
+from kvpool.core.kv_manager import KVCacheManager
 from kvpool.errors import ConfigError, InvalidRequest
+from kvpool.sched.beam import beam_step
+from kvpool.sched.decode_batch import DecodeBatch, plain_decode
+from kvpool.sched.output import (
+    ExternalLookup,
+    KVLoad,
+    Sample,
+    ScheduledSeq,
+    SchedulerOutput,
+    TextHook,
+)
 from kvpool.sched.request import FinishReason, SeqStatus, Sequence, SequenceGroup
+
+__all__ = ["KVLoad", "Sample", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -60,51 +72,6 @@ class SchedulerConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    """Compute `num_new_tokens` of `seq` from position `start`; `samples` when the step
-    reaches the end of its known tokens and so yields the next token."""
-
-    group: SequenceGroup
-    seq: Sequence
-    start: int
-    num_new_tokens: int
-    samples: bool
-
-
-@dataclass(slots=True)
-class KVLoad:
-    """Blocks of `seq` to fill from the external KV store: `block_ids[i]` receives the block
-    named `hashes[i]`; they cover tokens [start_block*B, ...). The group computes nothing
-    until the driver reports the load back (`finish_kv_load`), so the I/O overlaps a step."""
-
-    load_id: int
-    group: SequenceGroup
-    seq: Sequence
-    start_block: int
-    hashes: list[BlockHash]
-    block_ids: list[int]
-
-
-# How many of the given hashes, from the first, an external KV store holds.
-ExternalLookup = Callable[[Seq[BlockHash]], int]
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    copies: list[CopyOp] = field(default_factory=list)
-    swap_in: SwapMap = field(default_factory=list)
-    swap_out: SwapMap = field(default_factory=list)
-    preempted: list[SequenceGroup] = field(default_factory=list)
-    kv_loads: list[KVLoad] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, external_kv: ExternalLookup | None = None) -> None:
         self.config = config
@@ -128,6 +95,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_blocks = 0
         self.num_external_hit_tokens = 0
+        self.num_generated_tokens = 0
 
     # -- requests --------------------------------------------------------------------------
     def new_sequence(self, prompt_token_ids: Iterable[int]) -> Sequence:
@@ -164,7 +132,7 @@ class Scheduler:
         if group is None:
             return None
         for seq in group.live_seqs:
-            self.finish_seq(group, seq, FinishReason.ABORT)
+            self.finish_seq(seq, FinishReason.ABORT)
         self._release(group)
         return group
 
@@ -177,7 +145,14 @@ class Scheduler:
 
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Who runs this step and with which blocks (tables valid until `postprocess`)."""
         out = SchedulerOutput()
+        self._plan(out)
+        table = self.kv.block_table
+        out.block_tables = [table(s.seq.seq_id) for s in out.scheduled]
+        return out
+
+    def _plan(self, out: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
         running = self.running
@@ -198,7 +173,7 @@ class Scheduler:
             num_seqs += len(live)
             i += 1
         if out.preempted:
-            return out
+            return
         while self.swapped:
             group = self.swapped[0]
             live = group.live_seqs
@@ -206,10 +181,10 @@ class Scheduler:
             # each sequence's next token takes at most one block (a new one or a CoW copy)
             need_blocks = self.kv.num_swap_in_blocks(seq_ids) + len(seq_ids)
             if need_blocks > self.kv.num_free_blocks - self._watermark_blocks:
-                return out
+                return
             need = self._tokens_wanted(live, budget)
             if need is None or num_seqs + len(live) > max_seqs:
-                return out
+                return
             self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(seq_ids))
             self.num_swapped_blocks += len(out.swap_in)
@@ -237,9 +212,50 @@ class Scheduler:
             running.append(group)
             budget -= self._emit(group, live, need, out)
             num_seqs += len(live)
-        return out
 
-    def update(self, out: SchedulerOutput) -> None:
+    def postprocess(
+        self, out: SchedulerOutput, sampled: list[Sample | None], on_text: TextHook | None = None
+    ) -> list[SequenceGroup]:
+        """The step ran and `sampled[i]` is what the driver drew for `out.sampling[i]` (None:
+        that row's request failed and was aborted). Commit the written KV, fork on a first
+        sample, step beams, append tokens, check stops; returns the groups that finished (freed)."""
+        self._commit(out)
+        beams: dict[str, tuple[SequenceGroup, list]] = {}
+        append = self._append
+        for s, smp in zip(out.sampling, sampled, strict=True):
+            seq = s.seq
+            if smp is None or seq.status is SeqStatus.FINISHED:
+                continue
+            g = s.group
+            if g.beam is not None:
+                beams.setdefault(g.request_id, (g, []))[1].append((seq, smp.candidates))
+                continue
+            targets = [seq]
+            if s.num_samples > 1 and not g.forked:
+                g.forked = True
+                targets += [self._fork_sample(g, seq, i) for i in range(1, s.num_samples)]
+            tokens, lps, tops = smp.token_ids, smp.logprobs, smp.top_logprobs
+            for j, t in enumerate(targets):
+                append(g, t, tokens[j], lps[j] if lps else 0.0, tops[j] if tops else None, on_text)
+        for g, rows in beams.values():
+            self.num_generated_tokens += beam_step(self, g, rows)
+        return self.free_finished()
+
+    def plain_decode(self) -> DecodeBatch | None:
+        """A shortcut for drivers that step many times between changes: when the next steps
+        are plain decode steps, the batch whose `step(tokens)` is `schedule()` + `postprocess()`
+        of one of them (see kvpool/sched/decode_batch.py), else None."""
+        return plain_decode(self)
+
+    def early_stop_tokens(self, group: SequenceGroup, seq: Sequence) -> list[int]:
+        """Tokens the sampler must not draw for `seq` now: below min_tokens, its stop token ids
+        and (unless ignored) EOS, which would otherwise end it early (as in vLLM and HF)."""
+        p = group.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(group.eos_token_ids))
+
+    def _commit(self, out: SchedulerOutput) -> None:
         """The step ran: its KV is written. Advance and register the computed blocks."""
         commit = self.kv.commit
         for s in out.scheduled:
@@ -249,22 +265,43 @@ class Scheduler:
             seq.num_computed_tokens = computed = s.start + s.num_new_tokens
             commit(seq.seq_id, seq.token_ids, computed)
 
-    def append_token(self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float = 0.0) -> bool:
-        """Add a sampled token; finish the sequence on EOS, a stop token or max_tokens.
-        Returns True when the sequence finished."""
+    def _fork_sample(self, group: SequenceGroup, seq: Sequence, index: int) -> Sequence:
+        child = self.fork(group, seq)
+        child.sample_index = index
+        return child
+
+    def _append(
+        self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float = 0.0,
+        top: list[tuple[int, float]] | None = None, on_text: TextHook | None = None,
+    ) -> bool:
+        """Add a sampled token and apply every stop condition, in vLLM's order: nothing but the
+        length limit below min_tokens; then a stop token id, EOS (not part of the text), a stop
+        string (the driver's detokenizer finds and trims it), max_tokens. True if it finished."""
         seq.token_ids.append(token_id)
         seq.cumulative_logprob += logprob
         params = group.params
+        if params.logprobs is not None:
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top or [])
+        self.num_generated_tokens += 1
         n_out = len(seq.token_ids) - seq.prompt_len
-        if n_out >= params.min_tokens:
+        may_stop = n_out >= params.min_tokens
+        if may_stop:
             if token_id in params.stop_token_ids:
-                self.finish_seq(group, seq, FinishReason.STOP, stop_reason=token_id)
+                if on_text is not None:
+                    on_text(group, seq, False)
+                self.finish_seq(seq, FinishReason.STOP, stop_reason=token_id)
                 return True
             if not params.ignore_eos and token_id in group.eos_token_ids:
-                self.finish_seq(group, seq, FinishReason.STOP)
+                self.finish_seq(seq, FinishReason.STOP)
+                return True
+        if on_text is not None:
+            stop = on_text(group, seq, may_stop and bool(params.stop))
+            if stop is not None:
+                self.finish_seq(seq, FinishReason.STOP, stop_reason=stop)
                 return True
         if n_out >= params.max_tokens:
-            self.finish_seq(group, seq, FinishReason.LENGTH)
+            self.finish_seq(seq, FinishReason.LENGTH)
             return True
         return False
 
@@ -272,7 +309,7 @@ class Scheduler:
         """The blocks a load was planned into still belong to its sequence (it was not
         aborted or preempted meanwhile), so the driver may write them."""
         seq = load.seq
-        if load.load_id not in load.group.pending_kv_loads or seq.seq_id not in self.kv.seqs:
+        if load.load_id not in load.group.pending_kv_loads or not self.kv.has_seq(seq.seq_id):
             return False
         end = load.start_block + len(load.block_ids)
         return self.kv.block_table(seq.seq_id)[load.start_block : end] == load.block_ids
@@ -296,10 +333,10 @@ class Scheduler:
         group.seqs.append(child)
         return child
 
-    def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: FinishReason, stop_reason=None) -> None:
+    def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         if seq.is_finished:
             return
-        if seq.seq_id in self.kv.seqs:
+        if self.kv.has_seq(seq.seq_id):
             self.kv.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -307,7 +344,7 @@ class Scheduler:
 
     def drop_seq(self, group: SequenceGroup, seq: Sequence) -> None:
         """Remove a sequence from its group entirely (a pruned beam)."""
-        if seq.seq_id in self.kv.seqs:
+        if self.kv.has_seq(seq.seq_id):
             self.kv.free(seq.seq_id)
         group.seqs.remove(seq)
 
@@ -351,10 +388,13 @@ class Scheduler:
     def _emit(self, group: SequenceGroup, live: list[Sequence], wanted: list[int], out: SchedulerOutput) -> int:
         group.first_scheduled = True
         scheduled = out.scheduled
+        params = group.params
+        width = params.n if params.n > 1 and not group.forked and not params.use_beam_search else 1
         for seq, n in zip(live, wanted, strict=True):
             if n:
                 start = seq.num_computed_tokens
-                scheduled.append(ScheduledSeq(group, seq, start, n, start + n == len(seq.token_ids)))
+                samples = start + n == len(seq.token_ids)
+                scheduled.append(ScheduledSeq(group, seq, start, n, samples, (width if samples else 0)))
         total = sum(wanted)
         out.num_batched_tokens += total
         return total
@@ -366,10 +406,10 @@ class Scheduler:
         latest-arrived running groups while blocks are short. False when `group` itself was
         preempted, or when blocks are short and preempting is not allowed."""
         kv = self.kv
-        seqs = kv.seqs
+        entry = kv.seq
         extras = []
         for s in live:
-            n = len(s.token_ids) - seqs[s.seq_id].num_tokens
+            n = len(s.token_ids) - entry(s.seq_id).num_tokens
             if n:
                 extras.append((s.seq_id, n))
         while extras:
@@ -454,7 +494,7 @@ class Scheduler:
 
     def _release(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
-            if seq.seq_id in self.kv.seqs:
+            if self.kv.has_seq(seq.seq_id):
                 self.kv.free(seq.seq_id)
         self.groups.pop(group.request_id, None)
         for queue in (self.running, self.waiting, self.swapped):

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from kvpool.errors import InvalidRequest
+from kvpool.errors import InvalidRequest, Overloaded
 from kvpool.serve.errors import classify
 from kvpool.serve.protocol import CompletionRequest
 from kvpool.serve.responses import Cursor, holdback_for
@@ -93,6 +93,9 @@ def build_internal_router(state: ServerState, role: str, kv_remote: str | None) 
             raise InvalidRequest("/internal/generate needs max_tokens", param="max_tokens")
         req.check()
         params = req.sampling_params(req.max_tokens, None)
+        if role == "decode" and not await state.engine.call(
+                lambda e: e.decode_accepts(len(prompt[0]), params.max_tokens)):
+            raise Overloaded("this decode instance cannot hold the request's KV now")  # the simulator's rule
         rid = state.engine.new_request_id("int")
         stream = await state.engine.submit(rid, prompt, params, time.monotonic(), req.cache_salt)
         return StreamingResponse(_lines(stream, holdback_for(params.stop)), media_type="application/x-ndjson")

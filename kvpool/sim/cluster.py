@@ -37,6 +37,7 @@ from kvpool.cluster.records import ConductorConfig, RouteRequest
 from kvpool.core.kv_manager import KVCacheManager
 from kvpool.costs.cost_model import CostModel
 from kvpool.errors import ConfigError
+from kvpool.sched.instance_load import decode_accepts
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.instance import SimInstance, write_blocks
 from kvpool.sim.metrics import RequestMetrics
@@ -306,7 +307,8 @@ class SimCluster:
             self.conductor.index.on_stored(POOL, ev.stored)
             self.conductor.index.on_evicted(POOL, ev.evicted)
         dec = self.decode[flight.decode_id]
-        if not self._decode_accepts(dec, req):
+        if not decode_accepts(dec.sched, req.prompt_len, req.output_len, self.config.conductor.tbt_slo_s,
+                              self.predictor.decode_step_time):
             self._flights.pop(req.request_id)
             wasted = req.prompt_len - flight.metrics.cached_tokens
             self.conductor.on_rejected_after_prefill(req.request_id, wasted)
@@ -319,21 +321,6 @@ class SimCluster:
         at = now + self.cost_model.kv_transfer_time(blocks)
         heapq.heappush(self._decode_adds[flight.decode_id], at)
         self._push(at, DECODE_ADD, flight)
-
-    def _decode_accepts(self, dec: SimInstance, req: SimRequest) -> bool:
-        """A decode instance refuses work it cannot hold: KV for the whole request beyond its
-        free blocks, or (with a TBT SLO) a predicted step time over the SLO."""
-        sched = dec.sched
-        need = math.ceil((req.prompt_len + req.output_len) / sched.config.block_size)
-        queued = sum(-(-len(g.seqs[0].token_ids) // sched.config.block_size) for g in sched.waiting)
-        if need + queued > sched.kv.num_free_blocks:
-            return False
-        slo = self.config.conductor.tbt_slo_s
-        if slo is None:
-            return True
-        load = dec.load()
-        batch = len(sched.running) + len(sched.waiting) + 1
-        return self.predictor.decode_step_time(batch, load.decode_context_tokens + req.prompt_len) <= slo
 
     def _drain(self, inst: SimInstance) -> None:
         if not inst.sched.kv.pool.has_events:

@@ -1,11 +1,16 @@
 """One simulated engine instance: the real Scheduler driven by a cost model and a virtual clock.
 
 `SimInstance.step(now)` is `Engine.step()` with the model replaced by `CostModel.step_time`:
-schedule, cost the batch (new tokens, context lengths, block copies and swaps), update,
-sample placeholder tokens, fork/drop sequences, free finished groups. Policies all live in
-the scheduler and the KV manager; nothing here decides who runs. `decode_run` takes the
-commonest step, a plain decode step (`kvpool.sched.decode_batch`), with the same results
-but without building a schedule, for drivers that step many times between changes.
+`schedule()`, cost the batch (new tokens, context lengths, block copies and swaps), draw
+placeholder tokens, `postprocess()` (which forks, steps beams, checks stops and frees). Policies
+all live in the scheduler and the KV manager; nothing here decides who runs or what a request
+becomes. `decode_run` takes the commonest step, a plain decode step
+(`Scheduler.plain_decode`), with the same results but without building a schedule, for
+drivers that step many times between changes.
+
+Beam search runs the core's `beam_step` on candidates from a seeded stand-in for the model:
+each beam offers continuations whose logprobs fall by Exp(1) draws, so beams with better
+histories branch and the others are pruned, as a language model's beams do.
 
 Token ids: prompts are `[marker] * prompt_len` with a marker unique to the request, and
 their full-block hashes are given precomputed (from the workload's chunks), so prefix reuse
@@ -18,16 +23,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvpool.cluster.records import InstanceLoad
 from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_manager import KVCacheManager
 from kvpool.costs.cost_model import CostModel, StepBatch
 from kvpool.errors import ConfigError
-from kvpool.sched.decode_batch import DecodeBatch, decode_batch
-from kvpool.sched.request import SeqStatus, SequenceGroup
+from kvpool.sched.beam import beam_candidates
+from kvpool.sched.decode_batch import DecodeBatch
+from kvpool.sched.instance_load import InstanceLoad, load_report
+from kvpool.sched.output import Sample, ScheduledSeq
+from kvpool.sched.request import SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.sim.metrics import RequestMetrics
@@ -75,6 +83,7 @@ class SimInstance:
         self.metrics: dict[str, RequestMetrics] = {}
         self.counters = InstanceCounters()
         self._markers = itertools.count(_MARKER_BASE)
+        self._beam_rng = random.Random(f"beams/{instance_id}")
         self._last_end = -math.inf  # when the last step ended: a step after a pause pays a wake-up
 
     # -- requests ----------------------------------------------------------------------------
@@ -135,11 +144,16 @@ class SimInstance:
         )
         duration = self.cost_model.step_time(batch)
         end = self._last_end = now + duration
-        sched.update(out)
         result = StepResult(duration, batch_size=len({id(s.group) for s in scheduled}))
         self._count(out, duration, result.batch_size)
-        self._sample(out, end, result)
-        self._free_finished(end, result)
+        rows = out.sampling
+        seen: set[str] = set()
+        for s in rows:
+            rid = s.group.request_id
+            if rid not in seen:
+                seen.add(rid)
+                self._on_token(s.group, end, result)
+        self._finished(sched.postprocess(out, [self._draw(s) for s in rows]), end, result)
         return result
 
     def decode_run(self, now: float, until: float) -> Iterator[StepResult]:
@@ -152,8 +166,8 @@ class SimInstance:
             return
         first = True
         while True:
-            batch = decode_batch(self.sched)
-            if batch is None or not all(g.params.n == 1 and not g.params.use_beam_search for g, _ in batch.seqs):
+            batch = self.sched.plain_decode()
+            if batch is None:
                 return
             cost = self._plain_decode_cost(len(batch.seqs))
             for _ in range(batch.steps):
@@ -179,25 +193,23 @@ class SimInstance:
         return lambda context_lens: self.cost_model.step_time(StepBatch(ones, context_lens))
 
     def _decode_step(self, batch: DecodeBatch, duration: float, end: float) -> StepResult:
-        """`step()` for a plain decode batch of single-sample groups."""
+        """`step()` for a plain decode batch."""
         self._last_end = end
-        batch.step()
         seqs = batch.seqs
         result = StepResult(duration, batch_size=len(seqs))
         c = self.counters
         c.steps += 1
         c.busy_s += duration
         c.batched_requests += result.batch_size
-        finished = False
-        for g, seq in seqs:
+        for g, _ in seqs:
             self._on_token(g, end, result)
-            finished |= self._append(g, seq)
-        if finished:
-            self._free_finished(end, result)
+        markers = self._markers
+        self._finished(batch.step([next(markers) for _ in seqs]), end, result)
         return result
 
-    def _free_finished(self, end: float, result: StepResult) -> None:
-        for g in self.sched.free_finished():
+    def _finished(self, groups: list[SequenceGroup], end: float, result: StepResult) -> None:
+        self.counters.generated_tokens = self.sched.num_generated_tokens
+        for g in groups:
             m = self.metrics.pop(g.request_id)
             m.finish(end)
             result.finished.append(g.request_id)
@@ -210,28 +222,19 @@ class SimInstance:
         c.prefill_tokens += sum([s.num_new_tokens for s in out.scheduled
                                  if s.num_new_tokens > 1 or s.start < s.seq.prompt_len])
 
-    def _sample(self, out: SchedulerOutput, end: float, result: StepResult) -> None:
-        sched = self.sched
-        beams: dict[str, SequenceGroup] = {}
-        seen: set[str] = set()
-        for s in out.scheduled:
-            g, seq = s.group, s.seq
-            if not s.samples or seq.status is SeqStatus.FINISHED:
-                continue
-            rid = g.request_id
-            if rid not in seen:
-                seen.add(rid)
-                self._on_token(g, end, result)
-            if g.params.use_beam_search and g.forked:
-                beams[g.request_id] = g
-                continue
-            if g.params.n > 1 and not g.forked:
-                g.forked = True
-                for _ in range(g.params.n - 1):
-                    self._append(g, sched.fork(g, seq))
-            self._append(g, seq)
-        for g in beams.values():
-            self._beam_step(g)
+    def _draw(self, s: ScheduledSeq) -> Sample:
+        """Placeholder tokens for a sampling row (unique ids, so generated blocks never collide);
+        for a beam, its continuations from the seeded stand-in, best first."""
+        markers = self._markers
+        if s.group.beam is None:
+            return Sample([next(markers) for _ in range(s.num_samples)])
+        draw = self._beam_rng.expovariate
+        lp = 0.0
+        candidates = []
+        for _ in range(beam_candidates(s.group)):
+            lp -= draw(1.0)
+            candidates.append((next(markers), lp))
+        return Sample(candidates=candidates)
 
     def _on_token(self, g: SequenceGroup, end: float, result: StepResult) -> None:
         """The request emits a token at `end` (once per step, however many samples)."""
@@ -241,43 +244,9 @@ class SimInstance:
             m.cached_tokens = max(m.cached_tokens, g.num_cached_prompt_tokens)
         m.on_token(end)
 
-    def _append(self, g: SequenceGroup, seq) -> bool:
-        """Append a placeholder token to `seq`; True when that finished it."""
-        self.counters.generated_tokens += 1
-        return self.sched.append_token(g, seq, next(self._markers))
-
-    def _beam_step(self, g: SequenceGroup) -> None:
-        """A deterministic stand-in for beam search that exercises the same machinery: the
-        best beam branches in two, the worst is pruned, the others extend."""
-        live = g.live_seqs
-        if len(live) >= 2:
-            self.sched.drop_seq(g, live[-1])
-            self._append(g, self.sched.fork(g, live[0]))
-        for seq in live[:-1] if len(live) >= 2 else live:
-            self._append(g, seq)
-
     # -- views ---------------------------------------------------------------------------------
     def load(self) -> InstanceLoad:
-        sched = self.sched
-        queued = 0
-        ctx = 0
-        for g in itertools.chain(sched.waiting, sched.running):
-            for seq in g.seqs:
-                if seq.status is SeqStatus.FINISHED:
-                    continue
-                n = len(seq.token_ids)
-                left = n - seq.num_computed_tokens
-                if left > 1:
-                    queued += left
-                else:
-                    ctx += n
-        return InstanceLoad(
-            queued_prefill_tokens=queued,
-            running_decode_reqs=len(sched.running),
-            free_kv_blocks=sched.kv.num_free_blocks,
-            total_kv_blocks=sched.config.num_blocks,
-            decode_context_tokens=ctx,
-        )
+        return load_report(self.sched)
 
 
 def write_blocks(kv: KVCacheManager, hashes: Sequence[BlockHash]) -> int:

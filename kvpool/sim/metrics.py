@@ -10,70 +10,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvpool.errors import ConfigError
+from kvpool.sched.metrics import RequestMetrics
+
+__all__ = ["RequestMetrics"]  # one per request in every driver; defined in the core
 
 PERCENTILES = (50, 90, 99)
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """One request's timeline: arrival, each output token's instant, and completion."""
-
-    request_id: str
-    arrival_s: float
-    prompt_len: int
-    token_times: list[float] = field(default_factory=list)
-    finish_s: float | None = None
-    rejected: bool = False
-    cached_tokens: int = 0  # prompt tokens served from a prefix cache
-
-    def on_token(self, now: float, count: int = 1) -> None:
-        """Record `count` tokens emitted at `now` (count > 1 for parallel samples / spec. decode)."""
-        if count == 1:  # the simulator's every decode token
-            self.token_times.append(now)
-        else:
-            self.token_times.extend([now] * count)
-
-    def finish(self, now: float) -> None:
-        self.finish_s = now
-
-    @property
-    def done(self) -> bool:
-        return self.finish_s is not None and not self.rejected
-
-    @property
-    def output_len(self) -> int:
-        return len(self.token_times)
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.arrival_s
-
-    @property
-    def tbt(self) -> np.ndarray:
-        """Gaps between consecutive tokens (time between tokens), as an array: a run has millions."""
-        return np.diff(self.token_times)
-
-    @property
-    def tpot(self) -> float:
-        """Mean time per output token after the first; 0 for single-token outputs."""
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
-
-    @property
-    def e2e(self) -> float:
-        end = self.finish_s if self.finish_s is not None else self.token_times[-1]
-        return end - self.arrival_s
-
-    @property
-    def normalized_latency(self) -> float:
-        """End-to-end latency per output token (the vLLM paper's metric)."""
-        return self.e2e / max(self.output_len, 1)
 
 
 @dataclass(slots=True, frozen=True)

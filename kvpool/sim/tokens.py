@@ -5,10 +5,10 @@ tokens depend only on its id (and the seed), the first `length` of a fixed strea
 ids give equal tokens and therefore equal chained block hashes in the real KV manager.
 Mooncake trace hash ids map to chunks directly; synthetic workloads allocate their own ids.
 
-Hashing a whole trace through `hash_block` on Python lists is too slow (~145M tokens), so
-`BlockHasher` hashes the tokens' byte encoding directly and memoizes per (parent hash,
-carried-over tokens, chunk): a prefix shared by many requests is hashed once. Its output
-equals `kvpool.core.hashing.hash_blocks` on the materialized tokens (tested).
+Hashing a whole trace from Python lists is too slow (~145M tokens), so `BlockHasher` feeds the
+tokens' byte encoding straight to the core's chained-hash loop (`chain_hashes`) and memoizes
+per (parent hash, carried-over tokens, chunk): a prefix shared by many requests is hashed once.
+Its output equals `kvpool.core.hashing.hash_blocks` on the materialized tokens (tested).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvpool.core.hashing import BlockHash, new_hash, root_hash
+from kvpool.core.hashing import BlockHash, chain_hashes, root_hash
 from kvpool.errors import ConfigError
 
 Chunks = tuple[tuple[int, int], ...]
@@ -81,15 +81,8 @@ class BlockHasher:
         return out
 
     def _hash_chunk(self, parent: BlockHash, data: bytes) -> tuple[list[BlockHash], BlockHash, bytes]:
-        bb = self._bytes_per_block
-        full = len(data) // bb
-        hashes = []
-        for i in range(0, full * bb, bb):
-            h = new_hash()
-            h.update(parent + data[i : i + bb])
-            parent = h.digest()
-            hashes.append(parent)
-        return hashes, parent, data[full * bb :]
+        hashes = chain_hashes(parent, data, self.block_size)
+        return hashes, hashes[-1] if hashes else parent, data[len(hashes) * self._bytes_per_block :]
 
     @property
     def memo_entries(self) -> int:

@@ -1,5 +1,5 @@
 """Plain decode steps taken by `DecodeBatch.step()` leave the scheduler exactly as
-`schedule()` + `update()` do: a twin scheduler takes every step the long way and the two
+`schedule()` + `postprocess()` do: a twin scheduler takes every step the long way and the two
 states (sequences, block tables, reference counts, cached hashes, eviction order, free list,
 KV events, statistics) are compared after each step."""
 
@@ -10,7 +10,7 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.sched.decode_batch import decode_batch
+from kvpool.sched.output import Sample
 from kvpool.sched.request import SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig
@@ -36,10 +36,12 @@ def _token(seq_id: int, n: int) -> int:
     return 1000 + (seq_id * 7919 + n * 104729) % 5000
 
 
-def _append_tokens(s: Scheduler, pairs) -> None:
-    for g, q in pairs:
-        if not q.is_finished:
-            s.append_token(g, q, _token(q.seq_id, len(q.token_ids)))
+def _tokens(pairs) -> list[int]:
+    return [_token(q.seq_id, len(q.token_ids)) for _, q in pairs]
+
+
+def _samples(out) -> list[Sample]:
+    return [Sample(_tokens([(x.group, x.seq)])) for x in out.sampling]
 
 
 @settings(max_examples=60, deadline=None)
@@ -65,32 +67,25 @@ def test_plain_decode_steps_equal_the_full_schedule(block_size, num_blocks, requ
     for _ in range(2000):
         if not s.has_unfinished():
             break
-        batch = decode_batch(s)
+        batch = s.plain_decode()
         if batch is None:
             out = s.schedule()
-            s.update(out)
-            _append_tokens(s, [(x.group, x.seq) for x in out.scheduled if x.samples])
-            s.free_finished()
+            s.postprocess(out, _samples(out))
             continue
         twin = copy.deepcopy(s)
-        twin_batch = decode_batch(twin)
         for _ in range(batch.steps):
-            batch.step()
             out = twin.schedule()
             assert [(x.group.request_id, x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [
                 (g.request_id, q.seq_id, 1) for g, q in batch.seqs
             ]
             assert not (out.copies or out.swap_in or out.swap_out or out.preempted)
-            twin.update(out)
+            done = batch.step(_tokens(batch.seqs))
+            twin_done = twin.postprocess(out, _samples(out))
+            assert [g.request_id for g in done] == [g.request_id for g in twin_done]
             assert _state(s) == _state(twin)
-            _append_tokens(s, batch.seqs)
-            _append_tokens(twin, twin_batch.seqs)
             plain_steps += 1
-            if any(q.is_finished for _, q in batch.seqs):
+            if done:
                 break
-        s.free_finished()
-        twin.free_finished()
-        assert _state(s) == _state(twin)
     assert not s.has_unfinished()
 
 
@@ -101,7 +96,6 @@ def test_a_batch_needing_more_blocks_than_free_stops_before_it_would_preempt():
         group = SequenceGroup(f"r{i}", [s.new_sequence([i + 1] * 4)], SamplingParams(max_tokens=16, ignore_eos=True), i)
         s.add_request(group)
     out = s.schedule()
-    s.update(out)
-    _append_tokens(s, [(x.group, x.seq) for x in out.scheduled])
-    batch = decode_batch(s)  # 2 full blocks held, 4 free: both take a new block now and 4 steps on
+    s.postprocess(out, _samples(out))
+    batch = s.plain_decode()  # 2 full blocks held, 4 free: both take a new block now and 4 steps on
     assert batch is not None and batch.steps == 8  # the 9th step would need 2 more than are free

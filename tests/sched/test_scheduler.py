@@ -9,6 +9,7 @@ import hashlib
 import pytest
 
 from kvpool.errors import InvalidRequest
+from kvpool.sched.output import Sample, ScheduledSeq
 from kvpool.sched.request import SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig
@@ -45,20 +46,23 @@ class Driver:
             assert out.num_batched_tokens <= self.s.config.max_num_batched_tokens
             for s in out.scheduled:
                 assert s.start == s.seq.num_computed_tokens
-            self.s.update(out)
-            for s in out.scheduled:
-                if s.samples and not s.seq.is_finished:
-                    g = s.group
-                    if g.params.n > 1 and not g.forked:
-                        g.forked = True
-                        for _ in range(g.params.n - 1):
-                            child = self.s.fork(g, s.seq)
-                            self.s.append_token(g, child, (next_token(child.token_ids) + child.seq_id) % VOCAB)
-                    self.s.append_token(g, s.seq, next_token(s.seq.token_ids) if g.params.n == 1
-                                        else (next_token(s.seq.token_ids) + s.seq.seq_id) % VOCAB)
-            for g in self.s.free_finished():
+            for g in self.s.postprocess(out, [draw(x) for x in out.sampling]):
                 results[g.request_id] = sorted(x.output_ids for x in g.seqs)
         return results
+
+
+def draw(s: ScheduledSeq) -> Sample:
+    """The stand-in model's tokens for a sampling row: sample j of a request draws
+    next_token(context) shifted by j, so samples differ but each is reproducible."""
+    base = next_token(s.seq.token_ids)
+    if s.group.params.n == 1:
+        return Sample([base])
+    first = s.seq.sample_index
+    return Sample([(base + first + j) % VOCAB for j in range(s.num_samples)])
+
+
+def ones(out) -> list[Sample]:
+    return [Sample([1] * x.num_samples) for x in out.sampling]
 
 
 def make_prompts(k: int, seed: int = 0) -> list[list[int]]:
@@ -111,11 +115,7 @@ def test_oldest_request_always_progresses():
         before = g0.seqs[0].num_computed_tokens
         out = d.s.schedule()
         assert all(p is not g0 for p in out.preempted)
-        d.s.update(out)
-        for s in out.scheduled:
-            if s.samples:
-                d.s.append_token(s.group, s.seq, 1)
-        d.s.free_finished()
+        d.s.postprocess(out, ones(out))
         assert g0.is_finished or g0.seqs[0].num_computed_tokens > before
 
 
@@ -147,9 +147,7 @@ def test_abort_frees_blocks_immediately():
     d.add("a", list(range(40)), max_tokens=50)
     d.add("b", list(range(50, 90)), max_tokens=50)
     out = d.s.schedule()
-    d.s.update(out)
-    for s in out.scheduled:
-        d.s.append_token(s.group, s.seq, 1)
+    d.s.postprocess(out, ones(out))
     d.s.abort("a")
     assert "a" not in d.s.groups
     assert sum(len(t) for t in (d.s.kv.block_table(s.seq_id) for g in d.s.running for s in g.live_seqs)) == 10

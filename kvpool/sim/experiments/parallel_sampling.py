@@ -69,8 +69,8 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
         {"requests": n}, plots,
         setup=(f"{n} ShareGPT-like requests queued at t=0 on OPT-13B / A100-40GB, {BLOCK}-token blocks. "
                "kv_saved = 1 - blocks in use / blocks private per-sample copies would need, averaged "
-               "over steps. The beam search is a deterministic stand-in (each step the best beam "
-               "branches, the worst is pruned) driving the same fork / copy-on-write / drop calls."),
+               "over steps. Beam search is the core's own (the engine's), fed by a seeded stand-in "
+               "for the model: each beam offers continuations whose logprobs fall by Exp(1) draws."),
         finding=("Samples of one request share the prompt's blocks; only the partially filled last block "
                  "is copied on the first write, so copy-on-write moves a few blocks per sample where a "
                  "copying system duplicates the whole prompt. Beams share more because they share "
