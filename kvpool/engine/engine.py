@@ -392,7 +392,8 @@ class Engine:
             banned = sched.early_stop_tokens(rows[i].group, rows[i].seq)
             if banned:
                 row_logits[at : at + n, banned] = float("-inf")
-        result = sample(row_logits, params, controls.allowed(targets, row_logits.device))
+        allowed = controls.allowed(targets, row_logits.device)  # grammar mask, None when unconstrained
+        result = sample(row_logits, params) if allowed is None else sample(row_logits, params, allowed)
         for i, at, n in spans:
             want_top = rows[i].group.params.logprobs is not None and result.top_logprobs
             sampled[i] = Sample(result.token_ids[at : at + n], result.logprobs[at : at + n],
