@@ -190,10 +190,10 @@ async def run(args: argparse.Namespace, requests: list[BenchRequest], model: str
 
 
 # -- reporting -------------------------------------------------------------------------------
-def metric_sums(base_url: str) -> dict[str, float]:
+def metric_sums(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
     """A server's /metrics as sample name -> value summed over labels (prometheus_client's
     parser: the exposition format has escapes and label sets a line split would get wrong)."""
-    text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
+    text = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -201,10 +201,10 @@ def metric_sums(base_url: str) -> dict[str, float]:
     return sums
 
 
-def prefix_counters(base_url: str) -> tuple[float, float] | None:
+def prefix_counters(base_url: str, headers: dict[str, str] | None = None) -> tuple[float, float] | None:
     """(queries, hits) in tokens from a kvpool server's /metrics; None for other servers."""
     try:
-        values = metric_sums(base_url)
+        values = metric_sums(base_url, headers)
     except (httpx.HTTPError, ValueError):
         return None
     q, h = values.get("kvpool:prefix_cache_queries_total"), values.get("kvpool:prefix_cache_hits_total")
@@ -308,9 +308,9 @@ def main(args: argparse.Namespace) -> int:
     requests = DATASETS[args.dataset](args, pool)
     if not requests:
         raise ConfigError("the dataset produced no requests")
-    before = prefix_counters(args.base_url)
+    before = prefix_counters(args.base_url, headers)
     results, duration = asyncio.run(run(args, requests, model))
-    after = prefix_counters(args.base_url)
+    after = prefix_counters(args.base_url, headers)
     prefix = (after[0] - before[0], after[1] - before[1]) if before and after else None
     summary = summarize(results, duration, slos, prefix)
     summary.update({"model": model, "dataset": args.dataset, "num_prompts": len(requests),

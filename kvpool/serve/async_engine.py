@@ -316,7 +316,10 @@ class AsyncEngine:
             route = self._routes.get(out.request_id)
             if route is None:
                 continue
-            batch.append((route.sink, (route.index, out)))
+            # A request the engine failed on its own (its sampling, text or forward) ends with
+            # an error for its client alone; the requests beside it carry on.
+            item = KVPoolError(out.error) if out.error is not None else (route.index, out)
+            batch.append((route.sink, item))
             if out.finished:
                 del self._routes[out.request_id]
                 self.metrics.observe_finished(out)
