@@ -18,9 +18,9 @@ from kvpool.sched.sampling_params import SamplingParams
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--num-short", type=int, default=31)
-    p.add_argument("--short-len", type=int, default=64)
-    p.add_argument("--long-len", type=int, default=3968)
+    p.add_argument("--num-short", type=int, default=31, help="short requests beside the long one")
+    p.add_argument("--short-len", type=int, default=64, help="prompt tokens of each short request")
+    p.add_argument("--long-len", type=int, default=3968, help="prompt tokens of the long request")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed-workload", type=int, default=0)
     add_engine_args(p)

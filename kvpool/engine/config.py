@@ -87,12 +87,12 @@ class EngineConfig:
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        self.dtype = resolve_dtype(self.dtype, self.device)
         if self.kv_write_policy not in ("write-through", "write-back"):
             raise ConfigError(f"kv_write_policy must be write-through or write-back, got {self.kv_write_policy!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         self._check_values()
+        self.dtype = resolve_dtype(self.dtype, self.device)  # after the checks: its log line is no error
 
     def _check_values(self) -> None:
         """Every value a flag can give, checked before anything loads (a model, a port, torch)."""

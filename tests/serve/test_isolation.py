@@ -56,7 +56,7 @@ def while_streams_run(server, model: str, solo: list[str], send) -> httpx.Respon
         t.join(120)
     assert [o[0] for o in outs] == [(t, "data: [DONE]") for t in solo]
     m = wait_idle(server)
-    assert m["kvpool:kv_blocks_free"] == m["kvpool:kv_blocks_total"]
+    assert m["kvpool:kv_blocks_free"] == m["kvpool:kv_blocks_capacity"]
     assert m["kvpool:num_requests_running"] == 0 and m["kvpool:num_requests_waiting"] == 0
     return r
 

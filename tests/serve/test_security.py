@@ -12,7 +12,7 @@ CLUSTER_AUTH = {"Authorization": f"Bearer {SERVER_CLUSTER_KEY}"}
 
 def test_kv_gauges_are_right_before_the_first_request(server):
     m = server.initial_metrics
-    assert m["kvpool:kv_blocks_total"] == 256 and m["kvpool:kv_blocks_free"] == 256
+    assert m["kvpool:kv_blocks_capacity"] == 256 and m["kvpool:kv_blocks_free"] == 256
 
 
 @pytest.mark.parametrize("authorization", [
