@@ -64,3 +64,23 @@ def test_tokenization_runs_off_the_event_loop(inprocess):
     finally:
         state.tokenizer = real
     assert len(seen) >= 4 and all(name.startswith("kvpool-tokenize") for name in seen), seen
+
+
+def test_a_request_the_engine_fails_alone_gets_an_error_and_the_next_one_is_served(inprocess, monkeypatch):
+    """The engine reports a request whose own sampling failed as finished with `.error`: its
+    client gets an OpenAI-style error, not a normal-looking finish, and the server carries on."""
+    import kvpool.engine.engine as engine_module
+
+    client, _ = inprocess
+    real = engine_module.sample
+
+    def picky(logits, params, *rest):
+        if any(p.temperature == 0.123 for p in params):
+            raise ValueError("cannot sample this row")
+        return real(logits, params, *rest)
+
+    monkeypatch.setattr(engine_module, "sample", picky)
+    bad = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2, "temperature": 0.123})
+    assert bad.status_code >= 500 and "cannot sample this row" in bad.json()["error"]["message"]
+    good = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2, "temperature": 0})
+    assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
