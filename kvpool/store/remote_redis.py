@@ -79,10 +79,7 @@ class RedisTier:
             except redis.ResponseError as exc:
                 self.health.succeeded()
                 if str(exc).startswith("WRONGTYPE"):
-                    log.warning("redis tier %s: key %s holds another type; treating it as a miss and "
-                                "deleting it", self.name, key)
-                    self._stats.count_bad("wrong_type")
-                    self.delete(key)
+                    self._drop_bad(key, "wrong_type", "holds another type")
                 else:
                     self._unexpected("get", exc)
                 self._stats.misses += 1
@@ -96,15 +93,18 @@ class RedisTier:
                 self._stats.misses += 1
                 return None
             if self.max_value_bytes is not None and len(data) > self.max_value_bytes:
-                log.warning("redis tier %s: key %s holds more than a block; treating it as a miss and "
-                            "deleting it", self.name, key)
-                self._stats.count_bad("size")
-                self.delete(key)
+                self._drop_bad(key, "size", "holds more than a block")
                 self._stats.misses += 1
                 return None
             self._stats.hits += 1
             self._stats.bytes_read += len(data)
             return data
+
+    def _drop_bad(self, key: StoreKey, reason: str, what: str) -> None:
+        """A key under our prefix that cannot be a block: count it and delete it (a miss)."""
+        log.warning("redis tier %s: key %s %s; treating it as a miss and deleting it", self.name, key, what)
+        self._stats.count_bad(reason)
+        self.delete(key)
 
     def put(self, key: StoreKey, data: bytes) -> bool:
         with self._stats.timed_store():
