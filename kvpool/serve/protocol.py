@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
+from kvpool.serve.sampling_map import control_params
 from kvpool.serve.unsupported import refuse_unsupported
 
 logger = logging.getLogger(__name__)
@@ -101,12 +102,25 @@ class _Sampling(_Body):
     cache_scope: Literal["tenant", "shared"] = "tenant"
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # sampling controls and output constraints (`kvpool.serve.sampling_map`); null means off
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def check(self, vocab_size: int | None = None) -> None:
         """Everything types cannot express; raises InvalidRequest naming the param. Also logs
         the ignored fields and refuses the unsupported ones."""
         extra = dict(self.model_extra or {})
-        refuse_unsupported(extra, self.n)
+        refuse_unsupported(extra)
         note_ignored(sorted(extra))
         self.check_strings()
         if self.stream_options is not None and not self.stream:
@@ -115,8 +129,10 @@ class _Sampling(_Body):
             raise InvalidRequest(f"seed must be in 0..2**64-n ({SEED_LIMIT - max(1, self.n)} for n={self.n}), "
                                  f"got {self.seed}", param="seed")
         check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
+        control_params(self, vocab_size)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if self.use_beam_search and self.stream:
             raise InvalidRequest("beam search cannot stream", param="stream")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -127,7 +143,8 @@ class _Sampling(_Body):
             "ignore_eos": self.ignore_eos, "logprobs": logprobs,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "use_beam_search": self.use_beam_search,
-            "length_penalty": self.length_penalty,
+            "length_penalty": self.length_penalty, "prompt_logprobs": prompt_logprobs,
+            **control_params(self),
         })
 
     @property
@@ -141,18 +158,25 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     add_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's: top-N logprobs of every prompt token
 
     def check(self, vocab_size: int | None = None) -> None:
         super().check(vocab_size)
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequest("echo with logprobs needs prompt logprobs, which kvpool does not compute",
-                                 param="echo")
         prompts = self.prompt_list()
         if not prompts or any(not p for p in prompts):
             raise InvalidRequest("prompt is empty", param="prompt")
         for p in prompts:
             if isinstance(p, list):
                 check_token_ids(p, vocab_size, "prompt")
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top-N of the prompt tokens' logprobs to compute: vLLM's prompt_logprobs and, with echo,
+        `logprobs` (echo with max_tokens 0 scores the prompt alone, so it needs them too)."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        if self.echo and self.max_tokens == 0 and not wanted:
+            wanted = [0]
+        return max(wanted, default=None)
 
     def prompt_list(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""

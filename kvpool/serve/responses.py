@@ -45,6 +45,52 @@ def completion_logprobs(tokenizer, out: CompletionOutput, start: int, offset: in
     }
 
 
+def prompt_complete(out: RequestOutput) -> bool:
+    """Have the prompt's logprobs all been computed (the prompt is scored as it is prefilled)?"""
+    return out.prompt_logprobs is not None and len(out.prompt_logprobs) >= len(out.prompt_token_ids)
+
+
+def echo_logprobs(tokenizer, out: RequestOutput, num_top: int,
+                  generated: dict[str, Any] | None) -> dict[str, Any]:
+    """OpenAI completions logprobs of an echoed prompt followed by the generated tokens'. The
+    first prompt token has no logprob (nothing precedes it): null, as OpenAI and vLLM send."""
+    ids = out.prompt_token_ids
+    lps = list(out.prompt_logprobs or [])
+    tops = out.prompt_top_logprobs or []
+    tokens = [tokenizer.token_text(t) for t in ids]
+    offsets, offset = [], 0
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    top_logprobs = [
+        None if lp is None else {tokens[i]: lp, **{tokenizer.token_text(t): v for t, v in tops[i][:num_top]}}
+        for i, lp in enumerate(lps)
+    ]
+    merged = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_logprobs, "text_offset": offsets}
+    for key in merged if generated else ():
+        merged[key] = merged[key] + generated[key]
+    return merged
+
+
+def vllm_prompt_logprobs(tokenizer, out: RequestOutput, num_top: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} for the
+    token and its top-N; rank is null for a prompt token outside the top-N (kvpool keeps no rank)."""
+    result: list[dict[str, Any] | None] = []
+    tops = out.prompt_top_logprobs or []
+    for i, lp in enumerate(out.prompt_logprobs or []):
+        if lp is None:
+            result.append(None)
+            continue
+        top = tops[i][:num_top]
+        tid = out.prompt_token_ids[i]
+        rank = next((r for r, (t, _) in enumerate(top, 1) if t == tid), None)
+        entry = {str(tid): {"logprob": lp, "rank": rank, "decoded_token": tokenizer.token_text(tid)}}
+        for r, (t, v) in enumerate(top, 1):
+            entry.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": tokenizer.token_text(t)})
+        result.append(entry)
+    return result
+
+
 def _token_entry(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
     text = tokenizer.token_text(token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

@@ -18,10 +18,6 @@ def _absent(v: Any) -> bool:
     return v is None or v == [] or v == {} or v == ""
 
 
-def _number(neutral: float) -> Callable[[Any], bool]:
-    return lambda v: v is None or (type(v) in (int, float) and v == neutral)
-
-
 def _flag(neutral: bool) -> Callable[[Any], bool]:
     return lambda v: v is None or v is neutral
 
@@ -32,20 +28,9 @@ def _one_of(*neutral: Any) -> Callable[[Any], bool]:
 
 # field -> "is this value neutral?" (the predicate sees any JSON value, so it never raises)
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _number(0.0),
-    "frequency_penalty": _number(0.0),
-    "repetition_penalty": _number(1.0),
-    "logit_bias": _absent,
-    "bad_words": _absent,
     "allowed_token_ids": _absent,
     "logits_processors": _absent,
-    "prompt_logprobs": _absent,
-    "response_format": lambda v: _absent(v) or v == {"type": "text"},
-    "guided_json": _absent,
-    "guided_regex": _absent,
-    "guided_choice": _absent,
-    "guided_grammar": _absent,
-    "structured_outputs": _absent,
+    "prompt_logprobs": _absent,  # chat only: completions declares it
     "tools": _absent,
     "tool_choice": _one_of("none"),
     "functions": _absent,
@@ -65,14 +50,9 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def refuse_unsupported(extra: dict[str, Any], n: int) -> None:
+def refuse_unsupported(extra: dict[str, Any]) -> None:
     """Raise InvalidRequest for the first undeclared field that is in the table and not neutral."""
     for name, value in extra.items():
-        if name == "best_of":  # n best of best_of by logprob: only best_of == n is implemented
-            if value is not None and not (type(value) is int and value == n):
-                raise InvalidRequest(f"best_of={value!r} is not supported (only best_of == n); use n or "
-                                     "use_beam_search", param="best_of")
-            continue
         neutral = NEUTRAL.get(name)
         if neutral is not None and not neutral(value):
             raise InvalidRequest(f"{name} is not supported by kvpool (only its neutral value is accepted)",
