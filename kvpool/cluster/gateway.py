@@ -41,6 +41,7 @@ from kvpool.serve.errors import install_handlers
 from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvpool.serve.protocol import ChatCompletionRequest, CompletionRequest, check_text
 from kvpool.serve.responses import sse_stream, unless_disconnected
+from kvpool.serve.sampling_map import set_controls
 from kvpool.serve.state import off_loop, tokenizer_pool
 
 OPEN_ROUTES = frozenset({"/health"})  # plus /metrics with --metrics-open
@@ -87,7 +88,9 @@ class MatchRequest(BaseModel):
     cache_scope: Literal["tenant", "shared"] = "tenant"
 
 
-def _check_supported(n: int, beam: bool, logprobs: bool) -> None:
+def _check_supported(n: int, beam: bool, logprobs: bool, controls: list[str] | None = None) -> None:
+    if controls:  # penalties, biases, constraints, best_of: not relayed (a split run would apply them twice)
+        raise InvalidRequest(f"the conductor does not relay {controls[0]}", controls[0])
     if n != 1:
         raise InvalidRequest("the conductor serves n=1 only", "n")
     if beam:
@@ -218,7 +221,7 @@ class Gateway:
     async def completions(self, req: CompletionRequest, raw: Request):
         req.check()
         self.check_model(req.model)
-        _check_supported(req.n, req.use_beam_search, req.logprobs is not None or req.echo)
+        _check_supported(req.n, req.use_beam_search, req.logprobs is not None or req.echo, set_controls(req))
         prompts = req.prompt_list()
         if len(prompts) != 1:
             raise InvalidRequest("the conductor takes one prompt per request", "prompt")
@@ -232,7 +235,7 @@ class Gateway:
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request):
         req.check()
         self.check_model(req.model)
-        _check_supported(req.n, req.use_beam_search, req.logprobs)
+        _check_supported(req.n, req.use_beam_search, req.logprobs, set_controls(req))
         ids = await off_loop(self.pool, render_request, self.tokenizer, req)
         salt = request_salt(raw, req.cache_salt, req.cache_scope)
         relay = self.relay_for(ids, req, req.requested_max_tokens, salt, "chatcmpl")

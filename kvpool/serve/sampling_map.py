@@ -112,3 +112,24 @@ def control_params(req: Any, vocab_size: int | None = None) -> dict[str, Any]:
         "best_of": req.best_of,
         "structured_outputs": structured_outputs(req),
     }
+
+
+_NEUTRAL: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+                            "response_format": {"type": "text"}}
+CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words",
+                  "best_of", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "structured_outputs", "prompt_logprobs")
+
+
+def set_controls(req: Any) -> list[str]:
+    """The control fields a request sets to something other than off (for a relay that cannot
+    honour them, e.g. the conductor's gateway, to refuse by name)."""
+    names = []
+    for name in CONTROL_FIELDS:
+        value = getattr(req, name, None)
+        if value is None or value in ([], {}) or (name == "best_of" and value == req.n):
+            continue
+        if name in _NEUTRAL and value == _NEUTRAL[name]:
+            continue
+        names.append(name)
+    return names

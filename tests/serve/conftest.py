@@ -109,6 +109,25 @@ def wait_idle(server: Server, timeout_s: float = 30.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' LlamaForCausalLM on the bundled GGUF in fp32, dequantized by transformers itself:
+    the reference kvpool's numbers are held to."""
+    import warnings
+
+    import torch
+
+    from kvpool.engine.loader import default_model_path
+
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    return model.eval()
+
+
 # -- the app in-process (fuzzing, route tables): a real engine, no subprocess -------------------
 KEYS = ("tenant-a-key", "tenant-b-key")
 CLUSTER_KEY = "cluster-key"

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from kvpool.errors import ConfigError, InvalidRequest
 from kvpool.serve.auth import KeyRing, add_auth_arguments, effective_salt, keyring_from_args
 from kvpool.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvpool.serve.sampling_map import set_controls
 
 
 def test_each_key_is_its_own_tenant_and_the_salt_does_not_reveal_the_key():
@@ -111,3 +112,12 @@ def test_wrong_types_of_implemented_fields_are_refused_by_name(extra, param):
     with pytest.raises(ValidationError) as e:
         CompletionRequest(prompt="hi", **extra)
     assert e.value.errors()[0]["loc"][0] == param
+
+
+def test_set_controls_names_what_a_relay_would_drop():
+    def names(**extra):
+        return set_controls(CompletionRequest(prompt="hi", **extra))
+    assert names(presence_penalty=0, repetition_penalty=1.0, logit_bias={}, best_of=1,
+                 response_format={"type": "text"}, guided_json=None) == []
+    assert names(frequency_penalty=0.5, best_of=2, guided_regex="a", prompt_logprobs=0) == [
+        "frequency_penalty", "best_of", "guided_regex", "prompt_logprobs"]

@@ -35,6 +35,9 @@ SAMPLING = {
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), values),
     "cache_salt": st.one_of(st.text(max_size=4), values), "cache_scope": st.one_of(st.just("shared"), values),
     "best_of": small_ints, "presence_penalty": values, "logit_bias": values, "response_format": values,
+    "frequency_penalty": st.one_of(st.floats(-3, 3), values), "repetition_penalty": st.one_of(st.floats(-1, 3), values),
+    "bad_words": values, "guided_choice": values, "guided_regex": st.one_of(st.sampled_from(["a+", "(", ""]), values),
+    "structured_outputs": st.one_of(st.fixed_dictionaries({"choice": values}), values),
     "store": values, "user": values, "metadata": values, "some_unknown_field": values,
 }
 COMPLETION = {
@@ -42,7 +45,7 @@ COMPLETION = {
     "prompt": st.one_of(st.text(min_size=1, max_size=20), st.lists(st.integers(0, 49151), min_size=1, max_size=6),
                         st.text(max_size=20), token_ids, st.lists(token_ids, max_size=2),
                         st.lists(st.text(max_size=8), max_size=2), values),
-    "echo": st.one_of(st.booleans(), values), "suffix": values,
+    "echo": st.one_of(st.booleans(), values), "suffix": values, "prompt_logprobs": small_ints,
 }
 message = st.fixed_dictionaries(
     {"role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool"]), values),

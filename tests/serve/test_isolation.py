@@ -99,14 +99,14 @@ def test_a_bad_request_is_400_and_leaves_the_streams_beside_it_untouched(server,
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
 
 
-def test_unknown_fields_are_ignored_and_unsupported_ones_refused(server, model_id):
+def test_unknown_fields_are_ignored_and_unsupported_or_bad_ones_refused(server, model_id):
     ignored = {"store": True, "user": 42, "parallel_tool_calls": False, "reasoning_effort": "low",
                "metadata": {"k": "v"}, "service_tier": "auto", "temperature_typo": 0.5}
     r = _raw(server, "/v1/chat/completions", {"model": model_id, "messages": CHAT, "max_tokens": 2, **ignored})
     assert r.status_code == 200, r.text
-    for field, value in [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-                         ("tool_choice", "required"), ("logit_bias", {"1": 5}), ("frequency_penalty", 0.5),
-                         ("guided_json", {"type": "object"}), ("best_of", 3)]:
+    for field, value in [("response_format", {"type": "yaml"}), ("tools", [{"type": "function"}]),
+                         ("tool_choice", "required"), ("logit_bias", {"1": 500}), ("frequency_penalty", 5),
+                         ("guided_json", 3), ("best_of", 0), ("prompt_logprobs", 1)]:
         r = _raw(server, "/v1/chat/completions", {"model": model_id, "messages": CHAT, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
     r = _raw(server, "/v1/completions", {"model": model_id, "prompt": "hi", "max_tokens": "2"})
