@@ -19,7 +19,7 @@ LM_EVAL = Path(os.environ.get("KVPOOL_LM_EVAL", "/tmp/lmeval/bin/lm_eval"))
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 TASK_NAMES = ("kvpool_tiny_gen", "kvpool_tiny_mc", "kvpool_tiny_rolling")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # transformers' GGUF load alone can take minutes
 
 
 @pytest.fixture(scope="module")

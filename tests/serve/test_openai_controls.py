@@ -43,7 +43,7 @@ def greedy(client, model_id: str, prompt: str = REPEATS, **kw):
 
 
 def offline(llm, prompt: str, **params):
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **params)
+    sp = SamplingParams(**{"temperature": 0, "max_tokens": 12, "ignore_eos": True, **params})
     return llm.generate(prompt, sp, use_tqdm=False)[0]
 
 
