@@ -82,6 +82,9 @@ def hf_loglikelihood(hf_model, context: list[int], continuation: list[int]) -> f
 def test_lm_eval_local_completions_matches_transformers(server, model_id, hf_model, tokenizer_dir, tmp_path):
     if not LM_EVAL.exists():
         pytest.skip(f"lm-evaluation-harness is not installed at {LM_EVAL} (run ../shared/peers/setup_peers.sh)")
+    api_extras = "import aiohttp, requests, tenacity, tqdm"  # lm_eval[api]: what local-completions imports
+    if subprocess.run([str(LM_EVAL.parent / "python"), "-c", api_extras], capture_output=True).returncode:
+        pytest.skip(f"{LM_EVAL.parent / 'python'} lacks lm_eval's API extras (pip install 'lm_eval[api]')")
     import torch
     import transformers
 
