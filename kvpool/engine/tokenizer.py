@@ -95,9 +95,9 @@ class Tokenizer:
     @cached_property
     def _template(self) -> Any:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(
-            x, ensure_ascii=False, indent=indent
-        )
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: (
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        )  # transformers' signature: tool-calling templates pass separators and sort_keys
         env.globals["raise_exception"] = _raise_template_error
         return env.from_string(self.chat_template)
 

@@ -63,9 +63,10 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
 
     @v1.get("/models")
     async def models() -> dict:
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvpool",
-                "root": state.model_name, "max_model_len": state.max_model_len}
-        return {"object": "list", "data": [card]}
+        names = state.served_names or (state.model_name,)  # the first is the id responses report
+        cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "kvpool",
+                  "root": state.model_name, "max_model_len": state.max_model_len} for name in names]
+        return {"object": "list", "data": cards}
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, raw: Request):

@@ -149,7 +149,7 @@ def model(client) -> str:
 
 def _chat(client, model, **kw):
     return client.chat.completions.create(model=model, messages=kw.pop("messages", ASK), tools=TOOLS,
-                                          temperature=0, max_tokens=60, **kw)
+                                          temperature=0, max_tokens=kw.pop("max_tokens", 60), **kw)
 
 
 def _assemble(stream) -> tuple[str, list[dict], str | None]:
@@ -235,3 +235,12 @@ def test_bad_tool_requests_are_openai_style_400s(client, model, body, param):
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param
+
+
+def test_the_default_id_is_the_file_name_and_the_path_is_an_alias(client, model):
+    from kvpool.engine.loader import default_model_path
+
+    path = default_model_path()
+    assert model == path.stem  # no config hash
+    r = client.chat.completions.create(model=str(path), messages=ASK, max_tokens=1)
+    assert r.model == model
