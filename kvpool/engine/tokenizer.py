@@ -95,9 +95,9 @@ class Tokenizer:
     @cached_property
     def _template(self) -> Any:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(
-            x, ensure_ascii=False, indent=indent
-        )
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: (
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        )  # transformers' signature: tool-calling templates pass separators and sort_keys
         env.globals["raise_exception"] = _raise_template_error
         return env.from_string(self.chat_template)
 
@@ -111,9 +111,7 @@ class Tokenizer:
         fast = FastTokenizer.from_file(str(file))
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = hf_chat_template(path, cfg)
         bos = _token_id(fast, cfg.get("bos_token"))
         if not eos_token_ids:
             eos = _token_id(fast, cfg.get("eos_token"))
@@ -233,6 +231,28 @@ def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]
         steps.append(decoders.Strip(" ", 1, 0))
     fast.decoder = decoders.Sequence(steps)
     return fast
+
+
+def hf_chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """The directory's chat template where transformers looks for it, first found wins:
+    `chat_template.jinja` (what current save_pretrained writes), `chat_template.json`
+    (`{"chat_template": ...}`), then tokenizer_config.json's `chat_template`."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    legacy = path / "chat_template.json"
+    if legacy.is_file():
+        try:
+            template = json.loads(legacy.read_text()).get("chat_template")
+        except (ValueError, AttributeError) as e:
+            raise ConfigError(f"{legacy} is not a JSON object with a chat_template: {e}") from None
+    else:
+        template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(f"the chat template in {path} is not text")
+    return template
 
 
 def _token_id(fast: FastTokenizer, token: Any) -> int | None:

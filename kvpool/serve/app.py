@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI routes under /v1, tokenizer and cache-control routes, all behind the
-API key (`kvpool.serve.auth`); `/health` is open, `/metrics` open only with `--metrics-open`.
+API key (`kvpool.serve.auth`); `/health` and `/ping` are open, `/metrics` open only with `--metrics-open`.
 No OpenAPI or docs routes (they would describe the server to anyone)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvpool import __version__
 from kvpool.serve.chat import create_chat_completion, render
 from kvpool.serve.completions import create_completion
 from kvpool.serve.errors import install_handlers
@@ -25,7 +26,7 @@ from kvpool.serve.state import ServerState
 
 logger = logging.getLogger(__name__)
 
-OPEN_ROUTES = frozenset({"/health"})  # plus /metrics with --metrics-open; every other route needs the key
+OPEN_ROUTES = frozenset({"/health", "/ping"})  # plus /metrics with --metrics-open; every other route needs the key
 
 
 def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
@@ -51,6 +52,9 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
             return Response(status_code=200)
         return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
 
+    # vLLM's (and SageMaker's) name for /health: probes send no key, and it tells nothing more
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
     @app.get("/metrics", dependencies=[Depends(keys.metrics)])
     async def metrics() -> Response:
         return Response(generate_latest(state.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -59,9 +63,10 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
 
     @v1.get("/models")
     async def models() -> dict:
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvpool",
-                "root": state.model_name, "max_model_len": state.max_model_len}
-        return {"object": "list", "data": [card]}
+        names = state.served_names or (state.model_name,)  # the first is the id responses report
+        cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "kvpool",
+                  "root": state.model_name, "max_model_len": state.max_model_len} for name in names]
+        return {"object": "list", "data": cards}
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -73,13 +78,18 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
 
     tools = APIRouter()
 
+    @tools.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}  # behind the key: a version tells an attacker which bugs to try
+
     @tools.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
         req.check()
         state.check_model(req.model)
         if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             tokens = await state.off_loop(render, state.tokenizer, req.messages, req.add_generation_prompt,
-                                          req.chat_template_kwargs, False)
+                                          req.chat_template_kwargs, False, tools)
         else:
             tokens = await state.off_loop(state.tokenizer.encode, req.prompt,
                                           add_special_tokens=req.add_special_tokens)

@@ -1,7 +1,8 @@
 """API keys, tenants and the cluster key: one place that says who may call what.
 
-Every route except the open ones (`/health`, and `/metrics` with `--metrics-open`) depends on
-`KeyRing.api_key`; a cluster member's `/internal/*` routes depend on `KeyRing.cluster_key`.
+Every route except the open ones (`/health` and its alias `/ping`, which probes call without a
+key and which say only "up or not", and `/metrics` with `--metrics-open`) depends on
+`KeyRing.api_key` (`/version` too: vLLM leaves it open, but a version names the bugs to try); a cluster member's `/internal/*` routes depend on `KeyRing.cluster_key`.
 Keys are compared as SHA-256 digests with `hmac.compare_digest`, against every key (no early
 exit), so neither the key's bytes nor its length nor which key matched shows in the timing.
 

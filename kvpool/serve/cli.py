@@ -8,13 +8,17 @@ import logging
 import signal
 import socket
 import time
+from pathlib import Path
 
 import uvicorn
+from jinja2 import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvpool.engine.config import add_engine_args, engine_config_from_args
 from kvpool.errors import ConfigError
 from kvpool.serve.auth import add_auth_arguments, keyring_from_args
 from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES
+from kvpool.serve.tools import TOOL_CALL_PARSERS
 from kvpool.sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -26,7 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     group.add_argument("--port", type=int, default=8000)
     add_auth_arguments(group)
-    group.add_argument("--served-model-name", default=None, help="the model id clients use (default: the engine's)")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model ids clients may use; the first is the one /v1/models and responses "
+                            "report (default: the model file's or directory's name; the --model path is "
+                            "accepted too)")
+    group.add_argument("--chat-template", default=None, metavar="PATH",
+                       help="a jinja chat template file replacing the model's own")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="how the model writes tool calls; enables tool_choice \"auto\" (hermes: "
+                            "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM's command lines; needs --tool-call-parser, which alone "
+                            "enables tool_choice \"auto\"")
     group.add_argument("--max-queue", type=int, default=1024,
                        help="most requests allowed to wait for admission; beyond it new ones get 429")
     group.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
@@ -88,6 +103,37 @@ def check_port_free(host: str, port: int) -> None:
             raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
+def read_chat_template(path: str | None) -> str | None:
+    """The --chat-template file's text, read (and its syntax checked) before the model loads."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise ConfigError(f"--chat-template {path}: line {e.lineno}: {e.message}") from None
+    return text
+
+
+def served_names(args: argparse.Namespace, loaded) -> tuple[str, ...]:
+    """--served-model-name in order, else the model's own name: the GGUF file's stem or the
+    directory's name (the engine's id adds a config hash, which clients should not need)."""
+    if args.served_model_name:
+        return tuple(dict.fromkeys(args.served_model_name))
+    path = Path(loaded.path)
+    return (path.name if path.is_dir() else path.stem,)
+
+
+def model_aliases(args: argparse.Namespace, loaded, names: tuple[str, ...]) -> frozenset[str]:
+    """Every name a request's `model` may use besides the first: the other served names, the
+    path as given on the command line and resolved, and the engine's hashed id."""
+    given = [args.model] if args.model else []
+    return frozenset({*names[1:], *given, str(loaded.path), str(Path(loaded.path).resolve()), loaded.name})
+
+
 def main(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -98,6 +144,9 @@ def main(args: argparse.Namespace) -> int:
     max_request_bytes = parse_bytes(args.max_request_bytes, "--max-request-bytes")
     if max_request_bytes < 1024:
         raise ConfigError(f"--max-request-bytes must be at least 1KiB, got {args.max_request_bytes}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+    chat_template = read_chat_template(args.chat_template)
     keys = keyring_from_args(args)
     if keys.open and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
@@ -113,18 +162,22 @@ def main(args: argparse.Namespace) -> int:
     from kvpool.serve.state import ServerState
 
     def make_metrics(engine: Engine) -> ServerMetrics:
-        return ServerMetrics.for_engine(engine, args.served_model_name or engine.loaded.name, args.metrics_prefix)
+        return ServerMetrics.for_engine(engine, served_names(args, engine.loaded)[0], args.metrics_prefix)
 
     async_engine = AsyncEngine.launch(lambda: Engine(config), make_metrics, max_queue=args.max_queue,
                                       watchdog_s=args.watchdog_timeout)
     engine = async_engine.engine
-    name = args.served_model_name or engine.loaded.name
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template  # nothing has rendered with the model's own yet
+    names = served_names(args, engine.loaded)
+    name = names[0]
     sched_cfg = engine.scheduler.config
     state = ServerState(
         engine=async_engine,
-        tokenizer=engine.tokenizer, model_name=name, aliases=frozenset({engine.loaded.name}),
+        tokenizer=engine.tokenizer, model_name=name, aliases=model_aliases(args, engine.loaded, names),
         max_model_len=engine.max_model_len, kv_capacity_tokens=sched_cfg.num_blocks * sched_cfg.block_size,
-        vocab_size=engine.loaded.config.vocab_size, keys=keys,
+        vocab_size=engine.loaded.config.vocab_size, keys=keys, tool_call_parser=args.tool_call_parser,
+        served_names=names,
     )
     app = build_app(state, args.shutdown_timeout, max_request_bytes)
     if args.role:

@@ -10,6 +10,7 @@ does not implement are refused unless neutral (`kvpool.serve.unsupported`).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
@@ -190,9 +191,43 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: str  # only "function" exists; checked by name in `ChatCompletionRequest.check`
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: str
+    function: ToolChoiceFunction
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; templates get it parsed
+
+
+class AssistantToolCall(_Body):
+    id: str | None = None
+    type: str = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -203,7 +238,24 @@ class ChatMessage(_Body):
                     raise InvalidRequest("only text content parts are supported", param="messages")
                 parts.append(part["text"])
             content = "\n".join(parts)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        out = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def template_tool_call(call: AssistantToolCall) -> dict[str, Any]:
+    """A past tool call as HF chat templates read it: arguments as a mapping when they parse."""
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = None
+        args = parsed if isinstance(parsed, dict) else args
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": args}}
 
 
 class ChatCompletionRequest(_Sampling):
@@ -215,12 +267,16 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check(self, vocab_size: int | None = None) -> None:
         super().check(vocab_size)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
         check_template_kwargs(self.chat_template_kwargs)
+        check_tools(self.tools, self.tool_choice)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -229,6 +285,29 @@ class ChatCompletionRequest(_Sampling):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_tools(tools: list[ToolDef] | None, choice: str | NamedToolChoice | None) -> None:
+    """Function tools with distinct names; a tool_choice other than "none" needs tools, and a
+    named one must name one of them."""
+    names: set[str] = set()
+    for i, tool in enumerate(tools or []):
+        if tool.type != "function":
+            raise InvalidRequest(f"tools[{i}].type must be \"function\", got {tool.type!r}", param="tools")
+        if tool.function.name in names:
+            raise InvalidRequest(f"tools: function {tool.function.name!r} is defined twice", param="tools")
+        names.add(tool.function.name)
+    if choice is None or choice == "none":
+        return
+    if not names:
+        raise InvalidRequest(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'!r} "
+                             "needs tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        if choice.type != "function":
+            raise InvalidRequest(f"tool_choice.type must be \"function\", got {choice.type!r}", param="tool_choice")
+        if choice.function.name not in names:
+            raise InvalidRequest(f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                                 param="tool_choice")
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
@@ -245,6 +324,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None  # rendered into the template as chat does
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -252,6 +332,7 @@ class TokenizeRequest(_Body):
         note_ignored(sorted(self.model_extra or {}))
         self.check_strings()
         check_template_kwargs(self.chat_template_kwargs)
+        check_tools(self.tools, None)
 
 
 class DetokenizeRequest(_Body):

@@ -37,6 +37,8 @@ class ServerState:
     kv_capacity_tokens: int  # the whole device pool, in tokens
     vocab_size: int | None = None  # the model's (token ids must be below it); None: not checked here
     keys: KeyRing = field(default_factory=KeyRing)
+    tool_call_parser: str | None = None  # `--tool-call-parser`: enables tool_choice "auto"
+    served_names: tuple[str, ...] = ()  # every --served-model-name, the first being model_name
     created: int = field(default_factory=lambda: int(time.time()))
     pool: ThreadPoolExecutor = field(default_factory=tokenizer_pool)
 

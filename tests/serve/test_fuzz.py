@@ -52,8 +52,16 @@ message = st.fixed_dictionaries(
      "content": st.one_of(st.text(max_size=20), st.lists(st.fixed_dictionaries(
          {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=8)}), max_size=2), values)},
     optional={"name": values})
+tool = st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["function", "retrieval"]), values),
+                              "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])}, optional={
+                                  "parameters": st.one_of(st.just({"type": "object", "properties": {
+                                      "x": {"type": "boolean"}}}), values)})})
 CHAT = {
     **SAMPLING,
+    "tools": st.one_of(st.lists(tool, max_size=2), values),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})}),
+        values),
     "messages": st.one_of(st.lists(message, min_size=1, max_size=3), values),
     "top_logprobs": small_ints, "max_completion_tokens": small_ints,
     "chat_template_kwargs": st.one_of(st.dictionaries(st.sampled_from(
