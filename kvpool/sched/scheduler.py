@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from kvpool.core.kv_manager import KVCacheManager
 from kvpool.errors import ConfigError, InvalidRequest
+from kvpool.sched.admission import Admission
 from kvpool.sched.beam import beam_step
 from kvpool.sched.decode_batch import DecodeBatch, plain_decode
 from kvpool.sched.output import (
@@ -35,7 +36,9 @@ from kvpool.sched.output import (
     SchedulerOutput,
     TextHook,
 )
+from kvpool.sched.preemption import Preemption
 from kvpool.sched.request import FinishReason, SeqStatus, Sequence, SequenceGroup
+from kvpool.sched.stops import Stops
 
 __all__ = ["KVLoad", "Sample", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
@@ -72,7 +75,10 @@ class SchedulerConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
 
 
-class Scheduler:
+class Scheduler(Admission, Preemption, Stops):
+    """The queues and the step; admission (with store loads), preemption and stop checks are its
+    parts in kvpool/sched/admission.py, preemption.py and stops.py."""
+
     def __init__(self, config: SchedulerConfig, external_kv: ExternalLookup | None = None) -> None:
         self.config = config
         self.external_kv = external_kv
@@ -247,14 +253,6 @@ class Scheduler:
         of one of them (see kvpool/sched/decode_batch.py), else None."""
         return plain_decode(self)
 
-    def early_stop_tokens(self, group: SequenceGroup, seq: Sequence) -> list[int]:
-        """Tokens the sampler must not draw for `seq` now: below min_tokens, its stop token ids
-        and (unless ignored) EOS, which would otherwise end it early (as in vLLM and HF)."""
-        p = group.params
-        if seq.num_output_tokens >= p.min_tokens:
-            return []
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(group.eos_token_ids))
-
     def _commit(self, out: SchedulerOutput) -> None:
         """The step ran: its KV is written. Advance and register the computed blocks."""
         commit = self.kv.commit
@@ -270,60 +268,6 @@ class Scheduler:
         child.sample_index = index
         return child
 
-    def _append(
-        self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float = 0.0,
-        top: list[tuple[int, float]] | None = None, on_text: TextHook | None = None,
-    ) -> bool:
-        """Add a sampled token and apply every stop condition, in vLLM's order: nothing but the
-        length limit below min_tokens; then a stop token id, EOS (not part of the text), a stop
-        string (the driver's detokenizer finds and trims it), max_tokens. True if it finished."""
-        seq.token_ids.append(token_id)
-        seq.cumulative_logprob += logprob
-        params = group.params
-        if params.logprobs is not None:
-            seq.logprobs.append(logprob)
-            seq.top_logprobs.append(top or [])
-        self.num_generated_tokens += 1
-        n_out = len(seq.token_ids) - seq.prompt_len
-        may_stop = n_out >= params.min_tokens
-        if may_stop:
-            if token_id in params.stop_token_ids:
-                if on_text is not None:
-                    on_text(group, seq, False)
-                self.finish_seq(seq, FinishReason.STOP, stop_reason=token_id)
-                return True
-            if not params.ignore_eos and token_id in group.eos_token_ids:
-                self.finish_seq(seq, FinishReason.STOP)
-                return True
-        if on_text is not None:
-            stop = on_text(group, seq, may_stop and bool(params.stop))
-            if stop is not None:
-                self.finish_seq(seq, FinishReason.STOP, stop_reason=stop)
-                return True
-        if n_out >= params.max_tokens:
-            self.finish_seq(seq, FinishReason.LENGTH)
-            return True
-        return False
-
-    def kv_load_valid(self, load: KVLoad) -> bool:
-        """The blocks a load was planned into still belong to its sequence (it was not
-        aborted or preempted meanwhile), so the driver may write them."""
-        seq = load.seq
-        if load.load_id not in load.group.pending_kv_loads or not self.kv.has_seq(seq.seq_id):
-            return False
-        end = load.start_block + len(load.block_ids)
-        return self.kv.block_table(seq.seq_id)[load.start_block : end] == load.block_ids
-
-    def finish_kv_load(self, load: KVLoad, num_loaded: int) -> None:
-        """A planned load landed with its first `num_loaded` blocks; the rest is computed."""
-        load.group.pending_kv_loads.discard(load.load_id)
-        if num_loaded < len(load.hashes):
-            position = (load.start_block + num_loaded) * self.config.block_size
-            load.seq.num_computed_tokens = min(load.seq.num_computed_tokens, position)
-            self.num_external_hit_tokens -= (len(load.hashes) - num_loaded) * self.config.block_size
-            if load.group.num_preemptions == 0:  # usage reports what was reused, not what was planned
-                load.group.num_cached_prompt_tokens = min(load.group.num_cached_prompt_tokens, position)
-
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence sharing every block of `parent` (copy-on-write on its next write)."""
         child = Sequence(
@@ -334,15 +278,6 @@ class Scheduler:
         self.kv.fork(parent.seq_id, child.seq_id)
         group.seqs.append(child)
         return child
-
-    def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
-        if seq.is_finished:
-            return
-        if self.kv.has_seq(seq.seq_id):
-            self.kv.free(seq.seq_id)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
 
     def drop_seq(self, group: SequenceGroup, seq: Sequence) -> None:
         """Remove a sequence from its group entirely (a pruned beam)."""
@@ -401,101 +336,6 @@ class Scheduler:
         total = sum(wanted)
         out.num_batched_tokens += total
         return total
-
-    def _reserve_decode_slots(
-        self, group: SequenceGroup, live: list[Sequence], out: SchedulerOutput, may_preempt: bool = True
-    ) -> bool:
-        """Give every live sequence of `group` a slot for its newest token, preempting the
-        latest-arrived running groups while blocks are short. False when `group` itself was
-        preempted, or when blocks are short and preempting is not allowed."""
-        kv = self.kv
-        entry = kv.seq
-        extras = []
-        for s in live:
-            n = len(s.token_ids) - entry(s.seq_id).num_tokens
-            if n:
-                extras.append((s.seq_id, n))
-        while extras:
-            need = sum(kv.append_blocks_needed(sid, n) for sid, n in extras)
-            if need <= kv.num_free_blocks:
-                break
-            if not may_preempt:
-                return False
-            victim = self.running.pop()
-            self._preempt(victim, out)
-            if victim is group:
-                return False
-        for sid, n in extras:
-            out.copies.extend(kv.append_slots(sid, n))
-        return True
-
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        self.num_preemptions += 1
-        group.num_preemptions += 1
-        out.preempted.append(group)
-        seq_ids = [s.seq_id for s in group.live_seqs]
-        loading = bool(group.pending_kv_loads)  # its blocks are not filled yet: drop them, never swap
-        group.pending_kv_loads.clear()
-        if not loading and self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
-            out.swap_out.extend(self.kv.swap_out(seq_ids))
-            self.num_swapped_blocks += len(out.swap_out)
-            for s in group.live_seqs:
-                s.status = SeqStatus.SWAPPED
-            self.swapped.append(group)
-            return
-        for s in group.live_seqs:
-            self.kv.free(s.seq_id)
-            s.num_computed_tokens = 0
-            s.status = SeqStatus.WAITING
-        self.waiting.appendleft(group)
-
-    def _admit(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
-        """Allocate blocks for every live sequence of a waiting group, all or nothing; blocks
-        beyond the device prefix hit that the external store holds are loaded, not computed."""
-        kv = self.kv
-        plans = []
-        need = 0
-        for seq in group.live_seqs:
-            hashes = group.prompt_hashes if len(seq.token_ids) == seq.prompt_len else None
-            if hashes is None:
-                hashes = kv.prompt_hashes(seq.token_ids, group.cache_salt) if self.config.enable_prefix_caching else []
-            # prompt logprobs need every prompt position computed: no prefix hit (recompute)
-            hit = kv.match_prefix([] if group.params.prompt_logprobs is not None else hashes, len(seq.token_ids))
-            need += kv.blocks_needed(len(seq.token_ids), hit)
-            plans.append((seq, hashes, hit))
-        if need > kv.num_free_blocks - self._watermark_blocks:
-            return False
-        B = self.config.block_size
-        for i, (seq, hashes, hit) in enumerate(plans):
-            # the first allocation may reuse its match; it may change what the others match
-            cached = kv.allocate(seq.seq_id, seq.token_ids, group.cache_salt, hashes, hit if i == 0 else None)
-            hit_blocks = cached // B
-            limit = (len(seq.token_ids) - 1) // B
-            external = 0
-            if self.external_kv is not None and hit_blocks < min(limit, len(hashes)) \
-                    and group.params.prompt_logprobs is None:
-                external = self.external_kv(hashes[hit_blocks:limit])
-            if external:
-                table = kv.block_table(seq.seq_id)
-                load_id = next(self._load_ids)
-                out.kv_loads.append(KVLoad(load_id, group, seq, hit_blocks,
-                                           list(hashes[hit_blocks : hit_blocks + external]),
-                                           table[hit_blocks : hit_blocks + external]))
-                group.pending_kv_loads.add(load_id)
-                self.num_external_hit_tokens += external * B
-            seq.num_computed_tokens = cached + external * B
-            seq.status = SeqStatus.RUNNING
-            if group.num_preemptions == 0:
-                group.num_cached_prompt_tokens = seq.num_computed_tokens
-        return True
-
-    def _unadmit(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        out.kv_loads = [ld for ld in out.kv_loads if ld.group is not group]
-        group.pending_kv_loads.clear()
-        for seq in group.live_seqs:
-            self.kv.free(seq.seq_id)
-            seq.num_computed_tokens = 0
-            seq.status = SeqStatus.WAITING
 
     def _release(self, group: SequenceGroup) -> None:
         for seq in group.seqs:

@@ -8,6 +8,10 @@ becomes. `decode_run` takes the commonest step, a plain decode step
 (`Scheduler.plain_decode`), with the same results but without building a schedule, for
 drivers that step many times between changes.
 
+With a `SimStore` (a host, disk or remote tier) the scheduler plans store hits past the device
+prefix cache as `KVLoad`s, exactly as for the engine's store; the step that plans them pays the
+tier's load cost and they land when it ends (the engine's `complete_loads()`).
+
 Beam search runs the core's `beam_step` on candidates from a seeded stand-in for the model:
 each beam offers continuations whose logprobs fall by Exp(1) draws, so beams with better
 histories branch and the others are pruned, as a language model's beams do.
@@ -46,6 +50,32 @@ _MARKER_BASE = 1 << 48  # placeholder token ids, above any vocabulary
 _SEED_SEQ_ID = -1  # a sequence id the scheduler never hands out
 
 
+STORE_TIERS = ("host", "disk", "remote")
+
+
+@dataclass(slots=True)
+class SimStore:
+    """A KV store tier below the device cache (host DRAM, local disk or a remote pool): the
+    blocks it holds, by hash, in an LRU manager of its own. The scheduler plans loads from it
+    as it does from the engine's store (`external_kv` -> `KVLoad` -> `finish_kv_load`); a step
+    pays for the blocks it loads at the tier's cost (`StepBatch.blocks_from_<tier>`)."""
+
+    blocks: KVCacheManager
+    tier: str = "host"
+
+    def __post_init__(self) -> None:
+        if self.tier not in STORE_TIERS:
+            raise ConfigError(f"store tier must be one of {STORE_TIERS}, got {self.tier!r}")
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of `hashes`, from the first, the tier holds (the scheduler's ExternalLookup)."""
+        return len(self.blocks.match_prefix(hashes, len(hashes) * self.blocks.block_size + 1).block_ids)
+
+    def put(self, hashes: Sequence[BlockHash]) -> int:
+        """Store blocks (a save or a pool write); returns how many were written."""
+        return write_blocks(self.blocks, hashes)
+
+
 @dataclass(slots=True)
 class StepResult:
     """What one step did: its duration and the requests that emitted a token or finished."""
@@ -63,6 +93,7 @@ class InstanceCounters:
     batched_requests: int = 0  # summed over steps (mean = / steps)
     prefill_tokens: int = 0  # prompt tokens computed (recomputation included)
     generated_tokens: int = 0
+    loaded_blocks: int = 0  # from the store tier
 
 
 class SimInstance:
@@ -75,9 +106,11 @@ class SimInstance:
         config: SchedulerConfig,
         cost_model: CostModel,
         hasher: BlockHasher | None = None,
+        store: SimStore | None = None,
     ) -> None:
         self.instance_id = instance_id
-        self.sched = Scheduler(config)
+        self.sched = Scheduler(config, external_kv=store.lookup if store is not None else None)
+        self.store = store
         self.cost_model = cost_model
         self.hasher = hasher or BlockHasher(config.block_size, TokenSynth(), config.namespace)
         self.metrics: dict[str, RequestMetrics] = {}
@@ -132,7 +165,7 @@ class SimInstance:
         sched = self.sched
         out = sched.schedule()
         scheduled = out.scheduled
-        if not scheduled:
+        if not scheduled and not out.kv_loads:
             return StepResult(0.0)
         batch = StepBatch(
             [s.num_new_tokens for s in scheduled],
@@ -142,6 +175,8 @@ class SimInstance:
             blocks_swapped_out=len(out.swap_out),
             idle_s=now - self._last_end,
         )
+        if out.kv_loads:
+            self._plan_loads(out, batch)
         duration = self.cost_model.step_time(batch)
         end = self._last_end = now + duration
         result = StepResult(duration, batch_size=len({id(s.group) for s in scheduled}))
@@ -154,7 +189,22 @@ class SimInstance:
                 seen.add(rid)
                 self._on_token(s.group, end, result)
         self._finished(sched.postprocess(out, [self._draw(s) for s in rows]), end, result)
+        for load in out.kv_loads:  # landed with the step, as the engine's complete_loads() reports them
+            if sched.kv_load_valid(load):
+                sched.finish_kv_load(load, len(load.hashes))
         return result
+
+    def _plan_loads(self, out: SchedulerOutput, batch: StepBatch) -> None:
+        """Cost the step's store loads on the store's tier (they land when the step ends)."""
+        assert self.store is not None, "the scheduler planned loads without a store"
+        n = sum(len(ld.hashes) for ld in out.kv_loads)
+        if self.store.tier == "host":
+            batch.blocks_from_host = n
+        elif self.store.tier == "disk":
+            batch.blocks_from_disk = n
+        else:
+            batch.blocks_from_remote = n
+        self.counters.loaded_blocks += n
 
     def decode_run(self, now: float, until: float) -> Iterator[StepResult]:
         """Plain decode steps (`kvpool.sched.decode_batch`) from `now` while each starts before

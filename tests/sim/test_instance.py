@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvpool.core.kv_manager import KVCacheManager
 from kvpool.costs.cost_model import (
     FEATURES,
     FittedStepModel,
@@ -9,8 +10,9 @@ from kvpool.costs.cost_model import (
     StepBatch,
     TransferCosts,
 )
+from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.instance import run_instance
+from kvpool.sim.instance import SimInstance, SimStore, run_instance
 from kvpool.sim.workloads import SimRequest, WorkloadSpec, synthetic_workload
 
 
@@ -78,3 +80,44 @@ def test_parallel_sampling_shares_the_prompt_and_copies_on_write():
     assert all(m.done for m in run.metrics)
     assert run.instance.sched.kv.num_cow_copies > 0
     assert run.instance.counters.generated_tokens == sum(4 * r.output_len for r in reqs)
+
+
+class LoadCost(TokenCost):
+    """TokenCost, plus 1 ms per block loaded from the host tier (a step of loads only costs them)."""
+
+    def step_time(self, batch: StepBatch) -> float:
+        compute = super().step_time(batch) if batch.new_tokens else 0.0
+        return compute + 1e-3 * batch.blocks_from_host
+
+
+@pytest.mark.parametrize("tier_holds", [0, 1, 2])
+def test_store_hits_load_through_the_schedulers_kv_load_path(tier_holds):
+    """A simulated instance takes store hits as the engine does: the scheduler plans `KVLoad`s for
+    the blocks past the device hit that the tier holds, the group waits one step for them (which
+    costs the load), then computes only the rest of its prompt."""
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=64)
+    store = SimStore(KVCacheManager(16, 4))
+    inst = SimInstance("i0", cfg, LoadCost(), store=store)
+    req = _req("r0", 0.0, 10, 2, 7)  # 2 full prompt blocks, 2 tokens in the partial third
+    hashes = inst.hashes_for(req)
+    assert len(hashes) == 2
+    assert store.put(hashes[:tier_holds]) == tier_holds
+    m = inst.add(req, 0.0)
+    now = 0.0
+    durations = []
+    while inst.has_work():
+        res = inst.step(now)
+        durations.append(res.duration)
+        now += res.duration
+    loaded = 4 * tier_holds
+    first = [tier_holds * 1e-3] if tier_holds else []  # the load step: nothing computes in it
+    assert durations == pytest.approx(first + [1e-3 + 1e-3 * (10 - loaded), 2e-3])
+    assert inst.counters.loaded_blocks == tier_holds
+    assert inst.sched.num_external_hit_tokens == loaded
+    assert m.cached_tokens == loaded
+    assert inst.counters.prefill_tokens == 10 - loaded
+
+
+def test_a_store_tier_must_be_known():
+    with pytest.raises(ConfigError, match="tier"):
+        SimStore(KVCacheManager(4, 4), tier="tape")

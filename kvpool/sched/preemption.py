@@ -1,0 +1,74 @@
+"""Preemption: when a running group needs a block and none is free, the latest-arrived running
+group gives its blocks up whole, swapped out to host memory or dropped to be recomputed, so the
+oldest group always progresses. A part of `Scheduler` (a mixin over its state)."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from kvpool.core.kv_manager import KVCacheManager
+from kvpool.sched.output import SchedulerOutput
+from kvpool.sched.request import SeqStatus, Sequence, SequenceGroup
+
+if TYPE_CHECKING:
+    from kvpool.sched.scheduler import SchedulerConfig
+
+
+class Preemption:
+    """`Scheduler`'s preemption steps; they read and change the scheduler's queues."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+    running: list[SequenceGroup]
+    waiting: deque[SequenceGroup]
+    swapped: deque[SequenceGroup]
+    num_preemptions: int
+    num_swapped_blocks: int
+
+    def _reserve_decode_slots(
+        self, group: SequenceGroup, live: list[Sequence], out: SchedulerOutput, may_preempt: bool = True
+    ) -> bool:
+        """Give every live sequence of `group` a slot for its newest token, preempting the
+        latest-arrived running groups while blocks are short. False when `group` itself was
+        preempted, or when blocks are short and preempting is not allowed."""
+        kv = self.kv
+        entry = kv.seq
+        extras = []
+        for s in live:
+            n = len(s.token_ids) - entry(s.seq_id).num_tokens
+            if n:
+                extras.append((s.seq_id, n))
+        while extras:
+            need = sum(kv.append_blocks_needed(sid, n) for sid, n in extras)
+            if need <= kv.num_free_blocks:
+                break
+            if not may_preempt:
+                return False
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is group:
+                return False
+        for sid, n in extras:
+            out.copies.extend(kv.append_slots(sid, n))
+        return True
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        group.num_preemptions += 1
+        out.preempted.append(group)
+        seq_ids = [s.seq_id for s in group.live_seqs]
+        loading = bool(group.pending_kv_loads)  # its blocks are not filled yet: drop them, never swap
+        group.pending_kv_loads.clear()
+        if not loading and self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq_ids):
+            out.swap_out.extend(self.kv.swap_out(seq_ids))
+            self.num_swapped_blocks += len(out.swap_out)
+            for s in group.live_seqs:
+                s.status = SeqStatus.SWAPPED
+            self.swapped.append(group)
+            return
+        for s in group.live_seqs:
+            self.kv.free(s.seq_id)
+            s.num_computed_tokens = 0
+            s.status = SeqStatus.WAITING
+        self.waiting.appendleft(group)
