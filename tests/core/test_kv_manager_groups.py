@@ -208,3 +208,20 @@ def test_window_prefix_hit_needs_the_blocks_before_the_hit_point():
     kv.free(1)
     cached = kv.allocate(2, longer)
     assert cached == 24 and kv.blocks_held(2) == [10, 10 - 4]
+
+
+def test_each_group_registers_under_its_own_key_and_events_name_both():
+    """Store keys and the conductor's events derive from the registered hash: group 1's blocks
+    carry the group in it, so the same tokens in two groups are two entries, never one."""
+    kv = KVCacheManager(32, 4, group_windows=(None, 6), record_events=True)
+    toks = list(range(9))
+    kv.allocate(0, toks)
+    kv.commit(0, toks, 9)
+    hashes = kv.prompt_hashes(toks)
+    tagged = [h + TAGS[1] for h in hashes]
+    assert kv.drain_events().stored == [*hashes, *tagged]
+    tables = kv.block_tables(0)
+    assert [kv.pool.lookup(h) for h in hashes] == tables[0][:2]
+    assert tables[1][0] == NO_BLOCK and kv.pool.lookup(tagged[1]) == tables[1][1]
+    freed = kv.pool.lookup(tagged[0])  # left the window (position 9 reads 4..9): freed, still cached
+    assert freed is not None and kv.pool.blocks[freed].ref_count == 0
