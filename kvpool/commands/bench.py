@@ -1,4 +1,4 @@
-"""`kvpool bench core | throughput | long-context | serve | profile | kvstore | cluster`."""
+"""`kvpool bench core | throughput | long-context | serve | profile | kvstore | cluster | swa`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ BENCHES = {
     "profile": "kvpool.bench.profile",
     "kvstore": "kvpool.bench.kvstore",
     "cluster": "kvpool.bench.cluster",
+    "swa": "kvpool.bench.swa",
 }
 
 

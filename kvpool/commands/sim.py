@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvpool.costs.presets import get_model
 from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.cluster import SimCluster, gc_paused
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-model-len", type=int, default=2048)
     r.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))
     r.add_argument("--no-prefix-caching", action="store_true")
+    r.add_argument("--no-swa-freeing", action="store_true",
+                   help="sliding-window layers keep every KV block (as full attention does)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, default=Path("sim-out"))
     for name in EXPERIMENTS:
@@ -91,8 +94,10 @@ def _run(args: argparse.Namespace) -> int:
                                                lengths=args.workload, max_len=max_len, seed=args.seed))
     else:
         raise ConfigError(f"unknown workload {args.workload!r}: sharegpt | alpaca | mooncake:<trace>")
+    groups = get_model(args.model).layer_groups(not args.no_swa_freeing)
+    blocks *= groups.num_groups  # a pool block holds one layer group: the same memory, G times the blocks
     cfg = SchedulerConfig(
-        num_blocks=blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        kv_group_windows=groups.windows, num_blocks=blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1), max_model_len=max(max_len, 2),
         enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
         num_host_blocks=blocks if args.preemption_mode == "swap" else 0, namespace=args.model,

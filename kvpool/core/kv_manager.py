@@ -11,6 +11,12 @@ Contract (see docs/architecture.md):
   cached after their sequence ends, and are reused from the first block on by later
   prompts, which always recompute at least their last prompt token;
 - every failed operation raises before changing any state.
+Layer groups (kvpool/core/layer_groups.py): one block table per group, all over one shared
+pool. A group of window W frees, on `commit`, every block wholly before the window of the next
+token to compute (position c needs c-W+1..c), so a sequence holds at most ceil(W/B)+1 blocks
+there; freed entries read NO_BLOCK. A prefix hit of k blocks needs every full group's blocks
+0..k-1 and every window group's last ceil((W-1)/B) blocks before k. Group g > 0 registers its
+blocks under the chained hash tagged with g, so store keys and events tell groups apart.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from kvpool.core.block_pool import BlockPool, KVEvents
 from kvpool.core.hashing import BlockHash, hash_blocks, root_hash
 from kvpool.errors import ConfigError, KVStateError, OutOfBlocks, UnknownSequence
 
+NO_BLOCK = -1  # a table entry whose block a window group freed (never read: outside every window)
 CopyOp = tuple[int, int]  # (src block, dst block), device to device
 SwapMap = list[tuple[int, int]]  # (src block, dst block) across device and host
 
@@ -36,13 +43,26 @@ class SeqBlocks:
     hashes: list[BlockHash] = field(default_factory=list)
     num_registered: int = 0
     on_host: bool = False
+    tables: list[list[int]] = field(default_factory=list)  # per layer group; tables[0] is blocks
+    dead: list[int] = field(default_factory=list)  # per group: leading entries freed (NO_BLOCK)
+
+    def __post_init__(self) -> None:
+        if not self.tables:
+            self.tables = [self.blocks]
+        if not self.dead:
+            self.dead = [0] * len(self.tables)
 
 
 @dataclass(slots=True, frozen=True)
 class PrefixHit:
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # group 0's hit blocks (NO_BLOCK where a window group needs none)
     num_tokens: int
-    idle_blocks: int = 0  # of block_ids, those at ref_count 0 (cached, evictable) when matched
+    idle_blocks: int = 0  # of the hit's blocks, those at ref_count 0 (cached, evictable) when matched
+    other_groups: tuple[tuple[int, ...], ...] = ()  # the same for groups 1.. of a layer-grouped model
+
+    @property
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        return (self.block_ids, *self.other_groups)
 
 
 @dataclass(slots=True)
@@ -125,9 +145,12 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         namespace: str = "",
         record_events: bool = False,
+        group_windows: Sequence[int | None] = (None,),
     ) -> None:
         if num_host_blocks < 0:
             raise ConfigError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        if not group_windows or any(w is not None and w < 1 for w in group_windows):
+            raise ConfigError(f"group_windows must be one window (>= 1 token, or None) per group, got {group_windows}")
         self.pool = BlockPool(num_blocks, block_size, eviction_policy, enable_prefix_caching, record_events)
         self.host = HostBlockPool(num_host_blocks)
         self.block_size = block_size
@@ -137,6 +160,10 @@ class KVCacheManager:
         self.seqs: dict[int, SeqBlocks] = {}
         self.stats = PrefixCacheStats()
         self.num_cow_copies = 0
+        self.group_windows: tuple[int | None, ...] = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
+        self.windowed = any(w is not None for w in self.group_windows)
+        self._tags = [b""] + [g.to_bytes(2, "little") for g in range(1, self.num_groups)]
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -153,8 +180,28 @@ class KVCacheManager:
         return seq_id in self.seqs
 
     def block_table(self, seq_id: int) -> list[int]:
-        """The sequence's blocks in order (the live list: valid until its next change)."""
+        """The sequence's blocks in order (group 0's; the live list: valid until its next change)."""
         return self.seq(seq_id).blocks
+
+    def block_tables(self, seq_id: int) -> list[list[int]]:
+        """Every layer group's table (NO_BLOCK where a window group freed the block)."""
+        return self.seq(seq_id).tables
+
+    def blocks_held(self, seq_id: int) -> list[int]:
+        """Blocks the sequence holds now, per layer group (freed window blocks excluded)."""
+        seq = self.seq(seq_id)
+        return [len(t) - d for t, d in zip(seq.tables, seq.dead, strict=True)]
+
+    def max_blocks(self, prompt_len: int, total_len: int) -> int:
+        """The most blocks a sequence of `prompt_len` prompt tokens growing to `total_len` ever
+        holds at once, over all groups: a window group takes the whole prompt at admission, then
+        at most ceil((W-1)/B) + 2 (the window, the block being written, one appended early)."""
+        B = self.block_size
+        full = -(-total_len // B)
+        n = 0
+        for w in self.group_windows:
+            n += full if w is None else min(full, max(-(-prompt_len // B), -(-(w - 1) // B) + 2))
+        return n
 
     def last_block_shared(self, seq_id: int) -> bool:
         """The sequence's last block is partly filled and shared: its next write copies it."""
@@ -171,20 +218,74 @@ class KVCacheManager:
         """Longest run of cached blocks from block 0, leaving the last prompt token to compute."""
         if not self.enable_prefix_caching:
             return PrefixHit((), 0)
-        found = self.pool.lookup_run(hashes, (num_prompt_tokens - 1) // self.block_size)
-        return PrefixHit(tuple(found), len(found) * self.block_size, self.pool.count_idle(found))
+        limit = (num_prompt_tokens - 1) // self.block_size
+        if not self.windowed and self.num_groups == 1:
+            found = self.pool.lookup_run(hashes, limit)
+            return PrefixHit(tuple(found), len(found) * self.block_size, self.pool.count_idle(found))
+        return self._match_groups(hashes, limit)
+
+    def _match_groups(self, hashes: Sequence[BlockHash], limit: int) -> PrefixHit:
+        """The hit of k blocks, k the largest where every full group holds blocks 0..k-1 and
+        every window group the ceil((W-1)/B) blocks before k (all that a query at k*B reads)."""
+        k = min(limit, len(hashes))
+        for g, w in enumerate(self.group_windows):
+            if w is None:
+                k = len(self.pool.lookup_run(self._tagged(hashes[:k], g), k))
+        settled = False
+        while not settled:
+            settled = True
+            for g, w in enumerate(self.group_windows):
+                if w is not None:
+                    fit = self._window_fit(hashes, g, self._window_blocks(w), k)
+                    settled, k = settled and fit == k, fit
+        lookup = self.pool.lookup
+        tables = []
+        for g, w in enumerate(self.group_windows):
+            tag = self._tags[g]
+            first = 0 if w is None else max(0, k - self._window_blocks(w))
+            ids = [lookup(h + tag) for h in hashes[first:k]]
+            tables.append((NO_BLOCK,) * first + tuple(ids))  # type: ignore[arg-type]
+        live = [b for t in tables for b in t if b != NO_BLOCK]
+        return PrefixHit(tables[0], k * self.block_size, self.pool.count_idle(live), tuple(tables[1:]))
+
+    def _window_blocks(self, window: int) -> int:
+        """Cached blocks a window group needs before a hit point: the W-1 keys a query reads."""
+        return -(-(window - 1) // self.block_size)
+
+    def _window_fit(self, hashes: Sequence[BlockHash], group: int, need: int, k: int) -> int:
+        """The largest k' <= k whose blocks k'-need..k'-1 (from 0 if k' < need) `group` holds."""
+        lookup, tag = self.pool.lookup, self._tags[group]
+        end, run = k, 0
+        for j in range(k - 1, -1, -1):
+            if run >= need:
+                break
+            if lookup(hashes[j] + tag) is None:
+                end, run = j, 0
+            else:
+                run += 1
+        return end
+
+    def _tagged(self, hashes: Sequence[BlockHash], group: int) -> Sequence[BlockHash]:
+        tag = self._tags[group]
+        return [h + tag for h in hashes] if tag else hashes
 
     def blocks_needed(self, num_tokens: int, hit: PrefixHit) -> int:
         """New blocks an `allocate` of `num_tokens` with this prefix hit takes from the free pool
         (cached hit blocks that are evictable leave the free pool too)."""
-        return -(-num_tokens // self.block_size) - len(hit.block_ids) + hit.idle_blocks
+        hit_blocks = hit.num_tokens // self.block_size if self.windowed or self.num_groups > 1 else len(hit.block_ids)
+        return self.num_groups * (-(-num_tokens // self.block_size) - hit_blocks) + hit.idle_blocks
 
     def append_blocks_needed(self, seq_id: int, num_new_tokens: int = 1) -> int:
         seq = self.seq(seq_id)
         B = self.block_size
         need = -(-(seq.num_tokens + num_new_tokens) // B) - len(seq.blocks)
-        if seq.num_tokens % B and self.pool.ref_counts[seq.blocks[-1]] > 1:
-            need += 1  # copy-on-write of the shared partial last block
+        if self.num_groups > 1:
+            need *= self.num_groups
+        if seq.num_tokens % B:
+            ref = self.pool.ref_counts
+            for t in seq.tables:
+                if ref[t[-1]] > 1:
+                    need += 1  # copy-on-write of the shared partial last block
         return need
 
     def usage(self) -> KVUsage:
@@ -227,19 +328,24 @@ class KVCacheManager:
                 f"sequence {seq_id} needs {need} KV blocks for {num_tokens} tokens, "
                 f"only {self.pool.num_free} of {self.pool.num_blocks} are free"
             )
-        self.pool.incref_all(hit.block_ids)
         B = self.block_size
-        num_hit = len(hit.block_ids)
-        fresh = self.pool.allocate(-(-num_tokens // B) - num_hit, num_tokens - num_hit * B)
-        blocks = list(hit.block_ids) + fresh
+        num_hit = hit.num_tokens // B
+        tables = []
+        for hit_ids in hit.tables if self.num_groups > 1 or self.windowed else (hit.block_ids,):
+            live = [b for b in hit_ids if b != NO_BLOCK] if self.windowed else hit_ids
+            self.pool.incref_all(live)
+            tables.append(list(hit_ids) + self.pool.allocate(-(-num_tokens // B) - num_hit, num_tokens - num_hit * B))
+        while len(tables) < self.num_groups:  # no hit: the other groups start empty
+            tables.append(self.pool.allocate(-(-num_tokens // B), num_tokens))
+        dead = [t.count(NO_BLOCK) for t in tables] if self.windowed else None
         self.seqs[seq_id] = SeqBlocks(
-            blocks, num_tokens, cache_salt, list(block_hashes), num_registered=len(hit.block_ids)
+            tables[0], num_tokens, cache_salt, list(block_hashes), num_hit, tables=tables, dead=dead or []
         )
         st = self.stats
         st.queries_tokens += num_tokens
         st.hits_tokens += hit.num_tokens
         st.queries_blocks += num_tokens // B
-        st.hits_blocks += len(hit.block_ids)
+        st.hits_blocks += num_hit
         return hit.num_tokens
 
     def append_slots(self, seq_id: int, num_new_tokens: int = 1) -> list[CopyOp]:
@@ -249,9 +355,16 @@ class KVCacheManager:
         B = self.block_size
         fill = seq.num_tokens % B
         if fill and fill + num_new_tokens <= B and not seq.on_host:
-            last = seq.blocks[-1]
-            if self.pool.ref_counts[last] == 1:  # the common decode step: room in a private last block
-                self.pool.add_tokens(last, num_new_tokens)
+            ref = self.pool.ref_counts
+            if self.num_groups == 1:
+                last = seq.blocks[-1]
+                if ref[last] == 1:  # the common decode step: room in a private last block
+                    self.pool.add_tokens(last, num_new_tokens)
+                    seq.num_tokens += num_new_tokens
+                    return []
+            elif all(ref[t[-1]] == 1 for t in seq.tables):
+                for t in seq.tables:
+                    self.pool.add_tokens(t[-1], num_new_tokens)
                 seq.num_tokens += num_new_tokens
                 return []
         if seq.on_host:
@@ -260,45 +373,73 @@ class KVCacheManager:
         if need > self.pool.num_free:
             raise OutOfBlocks(f"sequence {seq_id} needs {need} more KV blocks, only {self.pool.num_free} are free")
         copies: list[CopyOp] = []
+        for table in seq.tables:
+            self._grow(table, fill, num_new_tokens, copies)
+        seq.num_tokens += num_new_tokens
+        return copies
+
+    def _grow(self, table: list[int], fill: int, num_new_tokens: int, copies: list[CopyOp]) -> None:
+        """Extend one group's table by `num_new_tokens` slots (its last block holds `fill`)."""
+        B = self.block_size
         if fill:
-            last = seq.blocks[-1]
+            last = table[-1]
             if self.pool.ref_counts[last] > 1:
                 (new,) = self.pool.allocate(1)
                 self.pool.add_tokens(new, fill)
                 self.pool.decref(last)
-                seq.blocks[-1] = new
+                table[-1] = new
                 copies.append((last, new))
                 self.num_cow_copies += 1
             take = min(B - fill, num_new_tokens)
-            self.pool.add_tokens(seq.blocks[-1], take)
+            self.pool.add_tokens(table[-1], take)
             remaining = num_new_tokens - take
         else:
             remaining = num_new_tokens
         if remaining:
-            seq.blocks.extend(self.pool.allocate(-(-remaining // B), remaining))
-        seq.num_tokens += num_new_tokens
-        return copies
+            table.extend(self.pool.allocate(-(-remaining // B), remaining))
 
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """The KV of the first `num_computed_tokens` tokens is written: register the full blocks."""
+        """The KV of the first `num_computed_tokens` tokens is written: register the full blocks,
+        then free the window groups' blocks no later query reads."""
         seq = self.seq(seq_id)
-        if not self.enable_prefix_caching:
-            return
+        if self.enable_prefix_caching:
+            self._register(seq, token_ids, num_computed_tokens)
+        if self.windowed and not seq.on_host:
+            self._free_behind(seq, num_computed_tokens)
+
+    def _register(self, seq: SeqBlocks, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         B = self.block_size
         full = min(num_computed_tokens, seq.num_tokens) // B
         if seq.num_registered >= full:
             return
         hashes = seq.hashes
-        known = min(full, len(hashes))
-        if seq.num_registered < known:  # hashes given at allocation: register them in one pass
-            self.pool.register_many(seq.blocks[seq.num_registered : known], hashes[seq.num_registered : known])
-            seq.num_registered = known
-        if seq.num_registered < full:  # hash the blocks filled since (decode, partial prompt tail)
+        if len(hashes) < full:  # hash the blocks filled since (decode, partial prompt tail)
             i = len(hashes)
             hashes += hash_blocks(token_ids, B, cache_salt=seq.cache_salt, parent=hashes[-1] if i else self._root,
                                   start_block=i, limit=full)
-            self.pool.register_many(seq.blocks[seq.num_registered : full], hashes[seq.num_registered : full])
-            seq.num_registered = full
+        start = seq.num_registered
+        for g, table in enumerate(seq.tables):
+            ids, hs = table[start:full], self._tagged(hashes[start:full], g)
+            if seq.dead[g] > start:  # freed window blocks have nothing to register
+                skip = seq.dead[g] - start
+                ids, hs = ids[skip:], hs[skip:]
+            self.pool.register_many(ids, hs)
+        seq.num_registered = full
+
+    def _free_behind(self, seq: SeqBlocks, num_computed_tokens: int) -> None:
+        """Release each window group's blocks wholly before position c - W + 1 (c: the next
+        token to compute); registered ones stay cached (evictable), the rest become free."""
+        B = self.block_size
+        for g, w in enumerate(self.group_windows):
+            if w is None:
+                continue
+            end = max(0, (num_computed_tokens - w + 1) // B)
+            start = seq.dead[g]
+            if end > start:
+                table = seq.tables[g]
+                self.pool.release(table[start:end])
+                table[start:end] = [NO_BLOCK] * (end - start)
+                seq.dead[g] = end
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (no copy until a write)."""
@@ -307,20 +448,25 @@ class KVCacheManager:
             raise KVStateError(f"sequence {child_id} is already allocated")
         if parent.on_host:
             raise KVStateError(f"sequence {parent_id} is swapped out; cannot fork it")
-        self.pool.incref_all(parent.blocks)
+        for t, d in zip(parent.tables, parent.dead, strict=True):
+            self.pool.incref_all(t[d:])
+        tables = [list(t) for t in parent.tables]
         self.seqs[child_id] = SeqBlocks(
-            list(parent.blocks), parent.num_tokens, parent.cache_salt, list(parent.hashes), parent.num_registered
+            tables[0], parent.num_tokens, parent.cache_salt, list(parent.hashes), parent.num_registered,
+            tables=tables, dead=list(parent.dead),
         )
 
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks, tail first so the least shareable are evicted first."""
         seq = self.seq(seq_id)
         del self.seqs[seq_id]
-        if seq.on_host:
-            for b in reversed(seq.blocks):
-                self.host.decref(b)
-        else:
-            self.pool.release(reversed(seq.blocks))
+        for t, d in zip(seq.tables, seq.dead, strict=True):
+            live = t[d:] if d else t
+            if seq.on_host:
+                for b in reversed(live):
+                    self.host.decref(b)
+            else:
+                self.pool.release(reversed(live))
 
     def reset_prefix_cache(self) -> int:
         return self.pool.evict_all_cached()
@@ -336,7 +482,8 @@ class KVCacheManager:
             if seq.on_host != on_host:
                 where = "host" if seq.on_host else "device"
                 raise KVStateError(f"sequence {sid} is already on the {where}")
-            seen.update(dict.fromkeys(seq.blocks))
+            for t, d in zip(seq.tables, seq.dead, strict=True):
+                seen.update(dict.fromkeys(t[d:]))
         return list(seen)
 
     def can_swap_out(self, seq_ids: Iterable[int]) -> bool:
@@ -354,17 +501,19 @@ class KVCacheManager:
         unique = self._unique_blocks(seq_ids, on_host=False)
         if len(unique) > self.host.num_free:
             raise OutOfBlocks(f"swap-out needs {len(unique)} host blocks, only {self.host.num_free} are free")
-        mapping: dict[int, int] = {}
+        mapping: dict[int, int] = {NO_BLOCK: NO_BLOCK}
         for sid in seq_ids:
             seq = self.seqs[sid]
-            for b in seq.blocks:
-                if b in mapping:
-                    self.host.incref(mapping[b])
-                else:
-                    mapping[b] = self.host.allocate()
-            self.pool.release(reversed(seq.blocks))
-            seq.blocks = [mapping[b] for b in seq.blocks]
+            for t, d in zip(seq.tables, seq.dead, strict=True):
+                for b in t[d:]:
+                    if b in mapping:
+                        self.host.incref(mapping[b])
+                    else:
+                        mapping[b] = self.host.allocate()
+                self.pool.release(reversed(t[d:]))
+                t[:] = [mapping[b] for b in t]
             seq.on_host = True
+        del mapping[NO_BLOCK]
         return list(mapping.items())
 
     def swap_in(self, seq_ids: Sequence[int]) -> SwapMap:
@@ -377,15 +526,18 @@ class KVCacheManager:
         B = self.block_size
         for sid in seq_ids:
             seq = self.seqs[sid]
-            for i, hb in enumerate(seq.blocks):
-                if hb in mapping:
-                    self.pool.incref(mapping[hb])
-                else:
-                    mapping[hb] = db = next(fresh)
-                    self.pool.add_tokens(db, min(B, seq.num_tokens - i * B))
-                self.host.decref(hb)
-            seq.blocks = [mapping[hb] for hb in seq.blocks]
+            for g, (t, d) in enumerate(zip(seq.tables, seq.dead, strict=True)):
+                for i in range(d, len(t)):
+                    hb = t[i]
+                    if hb in mapping:
+                        self.pool.incref(mapping[hb])
+                    else:
+                        mapping[hb] = db = next(fresh)
+                        self.pool.add_tokens(db, min(B, seq.num_tokens - i * B))
+                    self.host.decref(hb)
+                t[d:] = [mapping[hb] for hb in t[d:]]
+                tag = self._tags[g]
+                for i in range(d, seq.num_registered):
+                    self.pool.register(t[i], seq.hashes[i] + tag)
             seq.on_host = False
-            for i in range(seq.num_registered):
-                self.pool.register(seq.blocks[i], seq.hashes[i])
         return list(mapping.items())

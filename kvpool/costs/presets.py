@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kvpool.core.layer_groups import LayerGroups, group_layers
 from kvpool.errors import ConfigError
 
 GiB = 1024**3
@@ -27,6 +28,11 @@ class ModelSpec:
     vocab_size: int
     params: int
     dtype_bytes: int = 2
+    layer_windows: tuple[int | None, ...] = ()  # per-layer sliding window; () = all full attention
+
+    def layer_groups(self, swa_freeing: bool = True) -> LayerGroups:
+        """The KV manager's layer groups (a pool block holds one group's layers)."""
+        return group_layers(self.layer_windows, self.num_layers, swa_freeing)
 
     def kv_bytes_per_token(self) -> int:
         """K and V for every layer: 2 * layers * kv_heads * head_dim * dtype bytes."""
@@ -87,6 +93,9 @@ MODELS: dict[str, ModelSpec] = {
         _m("llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 8.03e9),
         # Tied embeddings; runs in fp32 on this project's CPU.
         _m("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, 134_515_008, dtype=4),
+        # Gemma-3 12B: 5 sliding-window (1024) layers to 1 global, 48 layers (global at 5, 11, ...)
+        replace(_m("gemma3-12b", 48, 3840, 16, 8, 256, 15360, 262208, 12.19e9),
+                layer_windows=tuple(None if i % 6 == 5 else 1024 for i in range(48))),
     )
 }
 

@@ -69,6 +69,11 @@ class AttentionMetadata:
     native_seqs: Tensor | None = None  # [N] sequences the native kernel runs (CPU int64)
     sdpa_chunks: list[int] = field(default_factory=list)  # indices into prefills that keep SDPA
     windowed_masks: dict = field(default_factory=dict)  # (what, window) -> mask, built once per step
+    layer_metas: list[AttentionMetadata] | None = None  # per layer, when layer groups have their own tables
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """Layer `layer`'s metadata: its group's block tables and slots (self without groups)."""
+        return self if self.layer_metas is None else self.layer_metas[layer]
 
     def decode_mask_for(self, window: int | None) -> Tensor:
         """The decode mask that also hides keys at or before position seq_len - 1 - window."""
@@ -131,6 +136,7 @@ class AttentionMetadata:
         bt_t = torch.zeros((num_seqs, width), dtype=torch.int64)
         for i, bt in enumerate(block_tables):
             bt_t[i, : len(bt)] = torch.tensor(bt, dtype=torch.int64)
+        bt_t.clamp_(min=0)  # a window group's freed blocks (-1): outside every window, masked or skipped
         q_t = torch.tensor(query_lens, dtype=torch.int64)
         s_t = torch.tensor(seq_lens, dtype=torch.int64)
         qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)

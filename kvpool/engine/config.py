@@ -81,6 +81,7 @@ class EngineConfig:
     kv_disk_codec: str = "none"  # none | zstd | zstd-shuffle (kvpool/store/codec.py)
     kv_remote_codec: str = "none"
     publish_kv_events: bool = False  # keep stored/evicted hashes for drain_kv_events()
+    swa_freeing: bool = True  # windowed layers free KV blocks behind the window (kvpool/core/layer_groups.py)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -140,7 +141,8 @@ _HELP = {
     "dtype": "auto (bfloat16 on CPUs with AMX or AVX512-BF16, else float32) | float32 | bfloat16 | float16",
     "model": "a .gguf file or an HF model directory (default: the bundled SmolLM2-135M-Instruct)",
     "kv_cache_memory": "KV cache budget: bytes (2GiB, 512MB) or a fraction of free memory (0.3)",
-    "num_blocks": "number of KV blocks (overrides --kv-cache-memory)",
+    "num_blocks": "number of KV blocks of the whole model's layers (overrides --kv-cache-memory)",
+    "swa_freeing": "sliding-window layers free KV blocks outside the window (off: they keep every block)",
     "swap_space": "host KV pool for swap preemption (bytes)",
     "preemption_mode": "recompute | swap",
     "eviction_policy": "prefix-cache eviction: lru | lfu | fifo",

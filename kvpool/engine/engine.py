@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvpool.core.block_pool import KVEvents
+from kvpool.core.layer_groups import group_layers
 from kvpool.engine.config import EngineConfig, available_host_memory
 from kvpool.engine.controls import Controls, best_of
 from kvpool.engine.kv_io import KVStoreConnector
@@ -72,8 +73,10 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        num_blocks = config.num_blocks or self._blocks_from_budget()
-        per_block = mcfg.kv_bytes_per_token(self.dtype) * config.block_size
+        # layer groups share one pool of blocks of group_size layers: the same memory holds G times as many
+        groups = group_layers(mcfg.layer_windows, mcfg.num_layers, config.swa_freeing)
+        num_blocks = (config.num_blocks or self._blocks_from_budget()) * groups.num_groups
+        per_block = mcfg.kv_bytes_per_token(self.dtype) * config.block_size // groups.num_groups
         num_host_blocks = parse_bytes(config.swap_space, "swap_space") // per_block
         if config.preemption_mode == "swap" and num_host_blocks < 1:
             raise InvalidRequest(f"swap_space {config.swap_space} holds no KV block ({per_block} bytes)")
@@ -88,13 +91,13 @@ class Engine:
             preemption_mode=config.preemption_mode,
             num_host_blocks=num_host_blocks if config.preemption_mode == "swap" else 0,
             watermark=config.watermark, namespace=self.namespace,
-            record_kv_events=store is not None or config.publish_kv_events,
+            record_kv_events=store is not None or config.publish_kv_events, kv_group_windows=groups.windows,
         ))
         self.runner = ModelRunner(
             self.loaded, num_blocks, config.block_size,
             num_host_blocks if config.preemption_mode == "swap" else 0, self.dtype, self.device,
             pack_weights=config.cpu_weight_packing, q4_kernels=config.cpu_q4_kernels, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.max_num_seqs, layer_groups=groups,
         )
         self.kv_store: KVStoreConnector | None = None
         if store is not None:

@@ -106,7 +106,7 @@ class KVStoreConnector:
     def _write(self, block_ids: list[int], blocks: list[np.ndarray]) -> None:
         data = _from_store(torch.from_numpy(np.stack(blocks)), self.runner.kv_caches[0][0].dtype)  # [n, L, 2, B, H, D]
         ids = torch.tensor(block_ids, dtype=torch.long)
-        for layer, (k, v) in enumerate(self.runner.kv_caches):
+        for layer, (k, v) in enumerate(self.runner.kv_slots):  # a block holds its group's layers
             idx = ids.to(k.device)
             k.index_copy_(0, idx, data[:, layer, 0].to(k.device, k.dtype))
             v.index_copy_(0, idx, data[:, layer, 1].to(v.device, v.dtype))
@@ -116,7 +116,7 @@ class KVStoreConnector:
             return
         ids = torch.tensor([b for _, b in items], dtype=torch.long)
         per_layer = []
-        for k, v in self.runner.kv_caches:
+        for k, v in self.runner.kv_slots:
             idx = ids.to(k.device)
             per_layer.append(torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1))
         data = _to_store(torch.stack(per_layer, dim=1).cpu()).numpy()  # [n, L, 2, B, H, D]

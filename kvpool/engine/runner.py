@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from kvpool.engine.attention import AttentionMetadata
+from kvpool.core.layer_groups import LayerGroups, group_layers
+from kvpool.engine.attention import AttentionMetadata, KVCache
 from kvpool.engine.loader import LoadedModel
 from kvpool.engine.models.llama import allocate_kv_caches, can_pack_weights
 from kvpool.sched.scheduler import SchedulerOutput
@@ -26,7 +28,7 @@ class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, num_blocks: int, block_size: int, num_host_blocks: int,
         dtype: torch.dtype, device: torch.device, pack_weights: bool = True, q4_kernels: bool = True,
-        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, layer_groups: LayerGroups | None = None,
     ) -> None:
         self.model = loaded.model
         if pack_weights and can_pack_weights(device, dtype):
@@ -37,10 +39,17 @@ class ModelRunner:
         self.config = loaded.config
         self.block_size = block_size
         self.device = device
-        self.kv_caches = allocate_kv_caches(loaded.config, num_blocks, block_size, dtype, device)
-        self.host_caches = (
-            allocate_kv_caches(loaded.config, num_host_blocks, block_size, dtype, "cpu") if num_host_blocks else []
-        )
+        self.groups = layer_groups or group_layers((), loaded.config.num_layers)
+        # kv_slots: the group_size (k, v) tensors every group shares; kv_caches: each layer's one
+        self.kv_slots = self._allocate(num_blocks, dtype, device)
+        self.kv_caches = [self.kv_slots[s] for s in self.groups.layer_slot]
+        self.host_caches = self._allocate(num_host_blocks, dtype, "cpu") if num_host_blocks else []
+
+    def _allocate(self, num_blocks: int, dtype: torch.dtype, device: torch.device | str) -> list[KVCache]:
+        size = self.groups.group_size
+        config = self.config if size == self.config.num_layers else replace(
+            self.config, num_layers=size, layer_windows=())
+        return allocate_kv_caches(config, num_blocks, self.block_size, dtype, device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> Tensor:
@@ -60,6 +69,10 @@ class ModelRunner:
             if s.samples:
                 last_rows.append(row - 1)
         meta = AttentionMetadata.build(qlens, slens, block_tables, self.block_size, self.device)
+        if out.group_block_tables:  # layer groups: each layer attends through its group's tables
+            by_group = [meta if g == 0 else AttentionMetadata.build(qlens, slens, t, self.block_size, self.device)
+                        for g, t in enumerate(out.group_block_tables)]
+            meta.layer_metas = [by_group[g] for g in self.groups.layer_group]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         self.last_hidden = hidden  # every computed row of the step, for prompt logprobs
@@ -91,13 +104,13 @@ class ModelRunner:
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         if out.swap_out:
-            self._copy_across(out.swap_out, self.kv_caches, self.host_caches)
+            self._copy_across(out.swap_out, self.kv_slots, self.host_caches)
         if out.swap_in:
-            self._copy_across(out.swap_in, self.host_caches, self.kv_caches)
+            self._copy_across(out.swap_in, self.host_caches, self.kv_slots)
         if out.copies:
             src = torch.tensor([c[0] for c in out.copies], device=self.device)
             dst = torch.tensor([c[1] for c in out.copies], device=self.device)
-            for k, v in self.kv_caches:
+            for k, v in self.kv_slots:
                 k.index_copy_(0, dst, k.index_select(0, src))
                 v.index_copy_(0, dst, v.index_select(0, src))
 

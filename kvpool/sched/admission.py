@@ -49,8 +49,9 @@ class Admission:
             hit_blocks = cached // B
             limit = (len(seq.token_ids) - 1) // B
             external = 0
+            # one group's table only: a layer-grouped model computes what the device misses
             if self.external_kv is not None and hit_blocks < min(limit, len(hashes)) \
-                    and group.params.prompt_logprobs is None:
+                    and group.params.prompt_logprobs is None and kv.num_groups == 1:
                 external = self.external_kv(hashes[hit_blocks:limit])
             if external:
                 table = kv.block_table(seq.seq_id)

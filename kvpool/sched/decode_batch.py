@@ -38,11 +38,12 @@ class DecodeBatch:
         sched = self.sched
         kv = sched.kv
         append, commit, B = kv.append_slots, kv.commit, kv.block_size
+        windowed = kv.windowed  # window groups free a block at other positions than n % B == 0
         for _, seq in self.seqs:
             append(seq.seq_id, 1)
         for _, seq in self.seqs:
             seq.num_computed_tokens = n = seq.num_computed_tokens + 1
-            if n % B == 0:
+            if n % B == 0 or windowed:
                 commit(seq.seq_id, seq.token_ids, n)
         add = sched._append
         finished = False
@@ -88,7 +89,8 @@ def plain_decode(sched: Scheduler) -> DecodeBatch | None:
             steps = min(steps, group.params.max_tokens - (n - seq.prompt_len))
     if len(seqs) > min(cfg.max_num_seqs, cfg.max_num_batched_tokens) or steps < 1:
         return None
-    steps = _steps_within(slots, held, B, steps, kv.num_free_blocks)
+    # every group's table grows alike: G blocks per new block of group 0 (frees not counted on)
+    steps = _steps_within(slots, held, B, steps, kv.num_free_blocks // kv.num_groups)
     return DecodeBatch(seqs, steps, sched) if steps else None
 
 

@@ -69,9 +69,9 @@ def decode_accepts(
     tokens whose KV arrives, `output_len` to generate) plus the prompts already waiting beyond
     its free blocks; or, with a TBT SLO and a predictor, a predicted step time over the SLO for
     everything running or waiting plus this request, at the decoding context plus its prompt."""
-    B = sched.config.block_size
-    need = -(-(prompt_len + output_len) // B)
-    queued = sum(-(-len(g.seqs[0].token_ids) // B) for g in sched.waiting)
+    kv = sched.kv  # blocks over every layer group (a window group holds fewer)
+    need = kv.max_blocks(prompt_len, prompt_len + output_len)
+    queued = sum(kv.max_blocks(len(g.seqs[0].token_ids), len(g.seqs[0].token_ids)) for g in sched.waiting)
     if need + queued > sched.kv.num_free_blocks:
         return False
     if tbt_slo_s is None or decode_step_time is None:

@@ -48,6 +48,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)  # [group][i], layer-grouped models
     copies: list[CopyOp] = field(default_factory=list)
     swap_in: SwapMap = field(default_factory=list)
     swap_out: SwapMap = field(default_factory=list)

@@ -60,6 +60,7 @@ class SchedulerConfig:
     watermark: float = 0.01
     namespace: str = ""
     record_kv_events: bool = False
+    kv_group_windows: tuple[int | None, ...] = (None,)  # per layer group (kvpool/core/layer_groups.py)
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -90,6 +91,7 @@ class Scheduler(Admission, Preemption, Stops):
             num_host_blocks=config.num_host_blocks,
             namespace=config.namespace,
             record_events=config.record_kv_events,
+            group_windows=config.kv_group_windows,
         )
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
@@ -123,7 +125,7 @@ class Scheduler(Admission, Preemption, Stops):
                 param="max_tokens" if prompt_len < self.config.max_model_len else "prompt",
             )
         width = group.params.num_samples
-        blocks = width * -(-total // self.config.block_size)
+        blocks = width * self.kv.max_blocks(prompt_len, total)
         if blocks > self.config.num_blocks:
             raise InvalidRequest(
                 f"request needs up to {blocks} KV blocks but the cache has only {self.config.num_blocks}",
@@ -156,6 +158,9 @@ class Scheduler(Admission, Preemption, Stops):
         self._plan(out)
         table = self.kv.block_table
         out.block_tables = [table(s.seq.seq_id) for s in out.scheduled]
+        if self.kv.num_groups > 1:
+            tables = [self.kv.block_tables(s.seq.seq_id) for s in out.scheduled]
+            out.group_block_tables = [[t[g] for t in tables] for g in range(self.kv.num_groups)]
         return out
 
     def _plan(self, out: SchedulerOutput) -> None:
@@ -185,7 +190,7 @@ class Scheduler(Admission, Preemption, Stops):
             live = group.live_seqs
             seq_ids = [s.seq_id for s in live]
             # each sequence's next token takes at most one block (a new one or a CoW copy)
-            need_blocks = self.kv.num_swap_in_blocks(seq_ids) + len(seq_ids)
+            need_blocks = self.kv.num_swap_in_blocks(seq_ids) + len(seq_ids) * self.kv.num_groups
             if need_blocks > self.kv.num_free_blocks - self._watermark_blocks:
                 return
             need = self._tokens_wanted(live, budget)

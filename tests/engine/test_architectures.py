@@ -70,17 +70,21 @@ def _tokenizer_json(path: Path) -> None:
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def checkpoint(request, tmp_path_factory):
     """(kvpool's model, transformers' model) of one architecture, same random weights."""
-    config_cls, model_cls, extra = ARCHS[request.param]
+    return _build(request.param, tmp_path_factory)
+
+
+def _build(name: str, tmp_path_factory):
+    config_cls, model_cls, extra = ARCHS[name]
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = getattr(transformers, config_cls)(**SHAPE, **extra)
         cfg._attn_implementation = "eager"
         hf = getattr(transformers, model_cls)(cfg).eval()
-        path = tmp_path_factory.mktemp(request.param)
+        path = tmp_path_factory.mktemp(name)
         hf.save_pretrained(path)
     _tokenizer_json(path)
-    return request.param, path, load_model(path, dtype=torch.float32), hf
+    return name, path, load_model(path, dtype=torch.float32), hf
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -122,7 +126,7 @@ def test_engine_greedy_equals_transformers_through_prefix_hits_and_preemption(ch
     expected = [_hf_greedy(hf, p) for p in PROMPTS]
     engine = Engine(EngineConfig(
         model=str(path), dtype="float32", block_size=4, num_blocks=20, max_num_batched_tokens=16,
-        preemption_mode=mode, swap_space="16MiB",
+        preemption_mode=mode, swap_space="16MiB", swa_freeing=False,  # every block kept: see below for freeing
     ), loaded=ours)
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
     first = run_all(engine, PROMPTS, params)
@@ -131,6 +135,52 @@ def test_engine_greedy_equals_transformers_through_prefix_hits_and_preemption(ch
     assert engine.scheduler.kv.stats.hits_tokens > 0
     for out in (first, again):
         assert [o.outputs[0].token_ids for o in out] == expected, name
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize(("name", "mode"), [
+    ("gemma3", "recompute"), ("gemma3", "swap"), ("qwen2-swa", "recompute"), ("qwen2-swa", "swap"),
+    ("mistral-swa", "recompute"),
+])
+def test_window_blocks_freed_while_greedy_still_equals_transformers(name, mode, tmp_path_factory):
+    """With SWA freeing on (full + window groups for Gemma-3 and Qwen2, one window group for
+    Mistral): chunked prefill, preemption and prefix-cache hits give HF's greedy tokens, while
+    each decoding sequence holds at most ceil(W/B)+1 blocks in every window group. Mistral's
+    sequences never grow past admission, so nothing preempts: it serves, in fewer blocks than one
+    request fills, what needed preemption with every block kept (the test above)."""
+    _, path, ours, hf = _build(name, tmp_path_factory)
+    B = 4
+    all_windowed = name == "mistral-swa"
+    expected = [_hf_greedy(hf, p) for p in PROMPTS]
+    engine = Engine(EngineConfig(
+        model=str(path), dtype="float32", block_size=B, num_blocks=10 if all_windowed else 12,
+        max_num_batched_tokens=16,
+        preemption_mode=mode, swap_space="16MiB",
+    ), loaded=ours)
+    kv = engine.scheduler.kv
+    assert any(w == WINDOW for w in kv.group_windows), kv.group_windows
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    done, most_held = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        for group in engine.scheduler.running:
+            for seq in group.live_seqs:
+                if seq.num_computed_tokens >= seq.prompt_len and kv.has_seq(seq.seq_id):  # decoding
+                    held = kv.blocks_held(seq.seq_id)
+                    most_held = max([most_held] + [h for h, w in zip(held, kv.group_windows, strict=True) if w])
+    assert [done[i].outputs[0].token_ids for i in ids] == expected, name
+    if all_windowed:
+        assert engine.scheduler.config.num_blocks < -(-(len(PROMPTS[0]) + NEW_TOKENS) // B)
+    else:
+        assert engine.scheduler.num_preemptions >= 1
+    assert 0 < most_held <= -(-WINDOW // B) + 1
+    for _ in range(2):  # alone, the prompt's blocks stay cached: the second run hits them
+        (again,) = run_all(engine, PROMPTS[:1], params)
+        assert again.outputs[0].token_ids == expected[0], name
+    assert kv.stats.hits_tokens > 0
     assert_no_leak(engine)
 
 

@@ -23,7 +23,8 @@ def _state(s: Scheduler) -> tuple:
         for g in [*s.running, *s.waiting, *s.swapped]
         for q in g.seqs
     ]
-    tables = {sid: (list(e.blocks), e.num_tokens, list(e.hashes), e.num_registered) for sid, e in kv.seqs.items()}
+    tables = {sid: (list(e.blocks), e.num_tokens, list(e.hashes), e.num_registered, [list(t) for t in e.tables],
+                    list(e.dead)) for sid, e in kv.seqs.items()}
     events = (list(pool.events.stored), list(pool.events.evicted), list(pool.events.evicted_block_ids))
     return (
         seqs, tables, list(pool.ref_counts), list(pool.block_tokens), list(pool.block_hashes),
@@ -54,12 +55,34 @@ def _samples(out) -> list[Sample]:
     caching=st.booleans(),
 )
 def test_plain_decode_steps_equal_the_full_schedule(block_size, num_blocks, requests, caching):
+    _check_plain_equals_full(block_size, num_blocks, requests, caching, (None,))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(24, 160),
+    requests=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(1, 40)), min_size=1, max_size=8
+    ),
+    caching=st.booleans(),
+    windows=st.sampled_from([(None, 6), (5,), (None, 3, 3)]),
+)
+def test_plain_decode_steps_equal_the_full_schedule_with_window_groups(block_size, num_blocks, requests, caching,
+                                                                       windows):
+    """Window groups free blocks at other steps than a block filling: the shortcut still commits
+    (and frees) exactly as the full schedule does."""
+    _check_plain_equals_full(block_size, num_blocks, requests, caching, windows)
+
+
+def _check_plain_equals_full(block_size, num_blocks, requests, caching, windows):
     cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=64,
-                          max_model_len=96, enable_prefix_caching=caching, record_kv_events=True)
+                          max_model_len=96, enable_prefix_caching=caching, record_kv_events=True,
+                          kv_group_windows=windows)
     s = Scheduler(cfg)
     for i, (prefix, length, max_tokens) in enumerate(requests):
         prompt = [prefix] * 8 + [100 + i] * length  # requests with equal `prefix` share blocks
-        if -(-(len(prompt) + max_tokens) // block_size) > num_blocks:
+        if s.kv.max_blocks(len(prompt), len(prompt) + max_tokens) > num_blocks:
             continue  # could never fit
         group = SequenceGroup(f"r{i}", [s.new_sequence(prompt)], SamplingParams(max_tokens=max_tokens, ignore_eos=True), i)
         s.add_request(group)

@@ -296,8 +296,8 @@ class LlamaForCausal(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         rope = self.rotary(positions, x.dtype)
         local = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rope
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, *(local if layer.local_rope else rope), kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = layer(x, *(local if layer.local_rope else rope), kv_cache, meta.for_layer(i))
         return self.norm(x[:num_tokens])
 
     @torch.inference_mode()
