@@ -101,11 +101,11 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
     head = next(r for r in rows if r["published"])
     plots = []
     if out is not None:
-        labels = [f"{r['model']}\n{r['link']}" for r in rows]
+        labels = [f"{r['model'].removeprefix('llama2-')}\n{r['link']}" for r in rows]
         plots.append(plot_grouped_bars(labels, {"whole block": [r["whole_block_ms"] for r in rows],
                                                 "layer-wise": [r["layerwise_ms"] for r in rows]},
                                        out / "layerwise_prefill.png", "TTFT (ms)",
-                                       f"{PROMPT}-token prompt, half its KV in the pool"))
+                                       f"{PROMPT}-token prompt, half its KV in the pool (LLaMA2, A800)"))
     return ExperimentResult(
         "layerwise_prefill", "Layer-wise prefill overlap: TTFT with half the prompt's KV in the pool", rows,
         {"prompt_tokens": PROMPT, "block_size": BLOCK, "headline": list(HEADLINE), "seed_unused": seed}, plots,
