@@ -21,6 +21,7 @@ or copy-on-write source) or that no forward will run for are made whole before t
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -58,6 +59,8 @@ class KVStoreConnector:
         self.failed_loads = 0
         self.timed_out_loads = 0
         self.saved_blocks = 0
+        self.load_stall_s = 0.0  # engine-thread time spent waiting for loaded KV to be written
+        self.read_wait_s = 0.0  # engine-thread time spent waiting for store reads (and checks) to finish
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         return self.store.lookup(hashes)[0]
@@ -77,6 +80,7 @@ class KVStoreConnector:
         block that did not load is computed instead, so outputs never depend on the store."""
         inflight, self._inflight = self._inflight, []
         for load, future in inflight:
+            start = time.perf_counter()
             try:
                 blocks = future.result(timeout=self.load_timeout_s)
             except FutureTimeout:
@@ -84,6 +88,7 @@ class KVStoreConnector:
                                "computing them instead", len(load.hashes), load.seq.seq_id, self.load_timeout_s)
                 self.timed_out_loads += 1
                 blocks = []
+            self.read_wait_s += time.perf_counter() - start
             if not self.scheduler.kv_load_valid(load):
                 continue  # aborted or preempted meanwhile: its blocks are no longer its own
             if blocks:
@@ -105,7 +110,9 @@ class KVStoreConnector:
         writer, self._writer = self._writer, None
         if writer is not None:
             self.runner.model.before_layer = None
+            start = time.perf_counter()
             writer.join(check_waited=ran)
+            self.load_stall_s += writer.stall_s + time.perf_counter() - start
 
     def _start_layerwise(self, out: SchedulerOutput) -> None:
         """Hand the loads staged since the last step to a loader thread for this forward. A load
@@ -169,9 +176,11 @@ class KVStoreConnector:
 
     def _write(self, block_ids: list[int], blocks: list[np.ndarray]) -> None:
         """Every layer of `blocks` into the device blocks `block_ids` (the whole-block path)."""
+        start = time.perf_counter()
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.runner.device)
         for layer in range(len(self.runner.kv_caches)):
             self._write_layer(layer, ids, blocks)
+        self.load_stall_s += time.perf_counter() - start
 
     def _write_layer(self, layer: int, ids: torch.Tensor, blocks: list[np.ndarray]) -> None:
         """Layer `layer`'s K and V of each stored block `[L, 2, B, H, D]` into device blocks `ids`."""

@@ -12,6 +12,7 @@ forward passes the hook of layer l: the ordering the tests check.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -35,6 +36,7 @@ class LayerwiseWriter:
         self._cuda_events: list[torch.cuda.Event | None] = [None] * layers
         self._error: BaseException | None = None
         self._waited = 0
+        self.stall_s = 0.0  # how long the forward sat in `wait` (its share of the load on the critical path)
         self.trace: list[tuple[str, int]] = []
         self._thread = threading.Thread(target=self._run, name="kv-layerwise", daemon=True)
 
@@ -45,7 +47,9 @@ class LayerwiseWriter:
     def wait(self, layer: int) -> None:
         """The model's hook before it computes `layer`: returns once that layer's KV has landed."""
         if layer < len(self._ready):
+            start = time.perf_counter()
             self._ready[layer].wait()
+            self.stall_s += time.perf_counter() - start
             if self._error is not None:
                 raise LayerwiseLoadError(f"writing layer {layer} of {self.plan.num_blocks} store blocks "
                                          f"failed: {self._error}") from self._error
