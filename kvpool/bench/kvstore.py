@@ -8,6 +8,7 @@ mean / p99 TTFT for each, with ratios against device-only.
 
 `--codecs none,zstd,zstd-shuffle` measures the block codecs instead (kvstore_codec.py): bytes per
 block and save / load (read + decode) time per tier on real KV blocks of the model.
+`--layerwise-prompt N` measures layer-wise loading of store hits instead (kvstore_layerwise.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from kvpool.engine.config import EngineConfig, add_engine_args, engine_config_from_args
@@ -84,6 +86,10 @@ def add_arguments(p) -> None:
                    "load time per tier on real KV blocks instead of running the session workload")
     p.add_argument("--codec-tiers", default="disk,remote", help="tiers for --codecs: disk | remote")
     p.add_argument("--codec-tokens", type=int, default=2048, help="prompt tokens whose KV blocks --codecs stores")
+    p.add_argument("--layerwise-prompt", type=int, default=None,
+                   help="TTFT of one prompt of this many tokens whose first half comes from the disk tier, store hits "
+                   "written whole vs layer by layer (kvstore_layerwise.py), instead of the session workload")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each path for --layerwise-prompt")
     add_engine_args(p)
     p.set_defaults(num_blocks=64)
 
@@ -95,7 +101,11 @@ def main(args) -> int:
 
         return run_codec_bench(base, args.codecs.split(","), args.codec_tiers.split(","), args.codec_tokens,
                                args.json)
-    loaded = load_model(base.model)
+    if args.layerwise_prompt:
+        from kvpool.bench.kvstore_layerwise import run_layerwise_bench
+
+        return run_layerwise_bench(base, args.layerwise_prompt, args.repeats, args.json)
+    loaded = load_model(base.model, dtype=getattr(torch, base.dtype))  # the engine's resolved dtype
     results = []
     with tempfile.TemporaryDirectory(prefix="kvpool-disk-") as disk_dir:
         redis = None

@@ -80,6 +80,7 @@ class EngineConfig:
     kv_write_policy: str = "write-through"
     kv_disk_codec: str = "none"  # none | zstd | zstd-shuffle (kvpool/store/codec.py)
     kv_remote_codec: str = "none"
+    kv_layerwise_load: bool = True  # store hits land layer by layer during the forward (kvpool/engine/layerwise.py)
     publish_kv_events: bool = False  # keep stored/evicted hashes for drain_kv_events()
     swa_freeing: bool = True  # windowed layers free KV blocks behind the window (kvpool/core/layer_groups.py)
 
@@ -158,6 +159,8 @@ _HELP = {
     "kv_write_policy": "write-through (save every computed block) | write-back (save on device eviction)",
     "kv_disk_codec": "disk tier block codec: none | zstd | zstd-shuffle (lossless; see docs/store.md)",
     "kv_remote_codec": "remote tier block codec: none | zstd | zstd-shuffle (lossless; see docs/store.md)",
+    "kv_layerwise_load": "tiered KV store: write a store hit into the device cache layer by layer while "
+    "the forward computes (the forward waits for layer l before computing it); off: whole blocks between steps",
 }
 
 

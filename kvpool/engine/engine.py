@@ -101,7 +101,8 @@ class Engine:
         )
         self.kv_store: KVStoreConnector | None = None
         if store is not None:
-            self.kv_store = KVStoreConnector(store, self.runner, self.scheduler, config.kv_write_policy)
+            self.kv_store = KVStoreConnector(store, self.runner, self.scheduler, config.kv_write_policy,
+                                             layerwise=config.kv_layerwise_load)
             self.scheduler.external_kv = self.kv_store.lookup
         self._published = KVEvents()
         logger.info(
@@ -261,7 +262,13 @@ class Engine:
                     self.kv_store.complete_loads()
                 return []
             now = time.monotonic()
-            logits = self.runner.execute(out, out.block_tables)
+            ran = False
+            try:
+                logits = self.runner.execute(out, out.block_tables)
+                ran = True
+            finally:
+                if self.kv_store is not None:
+                    self.kv_store.after_forward(ran)  # layer-wise loads have landed whole
             self.controls.record_prompt(out.scheduled, self.runner)
         except Exception as e:  # noqa: BLE001 - the shared forward: fail this step's requests
             logger.exception("engine step failed; failing the %d request(s) it scheduled", len(out.scheduled))

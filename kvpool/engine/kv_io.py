@@ -10,11 +10,18 @@ K/V on the engine
 thread (their slots may be reused by the next step) and encode/write on store workers.
 Write-through saves every block once its KV is computed; write-back saves a block only
 when the device evicts it.
+
+Layer-wise (`layerwise`): a landed load is read and checked whole, and reported, as above, but
+its device blocks are written during the next forward pass, one layer at a time on a loader
+thread (kvpool/engine/layerwise.py), the model waiting for layer l before computing it; the
+plan is kvpool/sched/layerwise.py's. Writes whose blocks the next step moves first (a swap-out
+or copy-on-write source) or that no forward will run for are made whole before the step.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -24,7 +31,9 @@ import torch
 
 from kvpool.core.block_pool import KVEvents
 from kvpool.core.hashing import BlockHash
+from kvpool.engine.layerwise import LayerwiseWriter
 from kvpool.engine.runner import ModelRunner
+from kvpool.sched.layerwise import LayerwisePlan, plan_layerwise
 from kvpool.sched.scheduler import KVLoad, Scheduler, SchedulerOutput
 from kvpool.store.kv_store import TieredKVStore
 
@@ -33,8 +42,9 @@ logger = logging.getLogger(__name__)
 
 class KVStoreConnector:
     def __init__(self, store: TieredKVStore, runner: ModelRunner, scheduler: Scheduler, write_policy: str,
-                 load_timeout_s: float = 10.0) -> None:
+                 load_timeout_s: float = 10.0, layerwise: bool = False) -> None:
         self.store = store
+        self.layerwise = layerwise
         self.load_timeout_s = load_timeout_s
         self.runner = runner
         self.scheduler = scheduler
@@ -42,10 +52,15 @@ class KVStoreConnector:
         self._loaded: set[BlockHash] = set()
         self._inflight: list[tuple[KVLoad, Future[list[np.ndarray]]]] = []
         self._pending_stored: list[BlockHash] = []
+        self._staged: list[tuple[KVLoad, list[np.ndarray]]] = []  # checked, reported, not yet written
+        self._writer: LayerwiseWriter | None = None
+        self.last_layerwise: LayerwiseWriter | None = None  # the latest step's loader (its trace)
         self.loaded_blocks = 0
         self.failed_loads = 0
         self.timed_out_loads = 0
         self.saved_blocks = 0
+        self.load_stall_s = 0.0  # engine-thread time spent waiting for loaded KV to be written
+        self.read_wait_s = 0.0  # engine-thread time spent waiting for store reads (and checks) to finish
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         return self.store.lookup(hashes)[0]
@@ -56,6 +71,7 @@ class KVStoreConnector:
         self._pending_stored.extend(events.stored)
         if self.write_back and events.evicted:
             self._save(list(zip(events.evicted, events.evicted_block_ids, strict=True)))
+        self._start_layerwise(out)
         for load in out.kv_loads:
             self._inflight.append((load, self.store.load_async(load.hashes)))
 
@@ -64,6 +80,7 @@ class KVStoreConnector:
         block that did not load is computed instead, so outputs never depend on the store."""
         inflight, self._inflight = self._inflight, []
         for load, future in inflight:
+            start = time.perf_counter()
             try:
                 blocks = future.result(timeout=self.load_timeout_s)
             except FutureTimeout:
@@ -71,10 +88,14 @@ class KVStoreConnector:
                                "computing them instead", len(load.hashes), load.seq.seq_id, self.load_timeout_s)
                 self.timed_out_loads += 1
                 blocks = []
+            self.read_wait_s += time.perf_counter() - start
             if not self.scheduler.kv_load_valid(load):
                 continue  # aborted or preempted meanwhile: its blocks are no longer its own
             if blocks:
-                self._write(load.block_ids[: len(blocks)], blocks)
+                if self.layerwise:
+                    self._staged.append((load, blocks))
+                else:
+                    self._write(load.block_ids[: len(blocks)], blocks)
                 self._loaded.update(load.hashes[: len(blocks)])
                 self.loaded_blocks += len(blocks)
             if len(blocks) < len(load.hashes):
@@ -82,6 +103,56 @@ class KVStoreConnector:
                 logger.warning("KV store returned %d of %d planned blocks for sequence %d; computing the rest",
                                len(blocks), len(load.hashes), load.seq.seq_id)
             self.scheduler.finish_kv_load(load, len(blocks))
+
+    def after_forward(self, ran: bool = True) -> None:
+        """The forward pass ended (`ran`) or failed: wait until every layer has landed, so no
+        block of the plan is read, swapped or reused half-written."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self.runner.model.before_layer = None
+            start = time.perf_counter()
+            writer.join(check_waited=ran)
+            self.load_stall_s += writer.stall_s + time.perf_counter() - start
+
+    def _start_layerwise(self, out: SchedulerOutput) -> None:
+        """Hand the loads staged since the last step to a loader thread for this forward. A load
+        whose blocks this step copies first (swapped out with its group, or a copy-on-write
+        source), or whose step has no forward, is written whole now; one whose sequence no longer
+        holds its blocks (aborted or preempted since it was reported) is dropped."""
+        staged, self._staged = self._staged, []
+        swapped = dict(out.swap_out)
+        copied = {src for src, _ in out.copies}
+        now, layered = [], []
+        for load, blocks in staged:
+            ids = load.block_ids[: len(blocks)]
+            table = self._table(load, len(blocks))
+            if table == ids:
+                (now if out.is_empty or copied.intersection(ids) else layered).append((load, blocks))
+            elif table is not None and table == [swapped.get(b) for b in ids]:
+                now.append((load, blocks))  # before the swap-out copies them to the host
+        if now:
+            plan, blocks = self._plan(now)
+            self._write(plan.block_ids, blocks)
+        if not layered:
+            return
+        plan, blocks = self._plan(layered)
+        ids = torch.tensor(plan.block_ids, dtype=torch.long, device=self.runner.device)
+        self._writer = LayerwiseWriter(plan, lambda layer: self._write_layer(layer, ids, blocks), self.runner.device)
+        self.last_layerwise = self._writer
+        self.runner.model.before_layer = self._writer.wait
+        self._writer.start()
+
+    def _plan(self, staged: list[tuple[KVLoad, list[np.ndarray]]]) -> tuple[LayerwisePlan, list[np.ndarray]]:
+        plan = plan_layerwise([load for load, _ in staged], [len(b) for _, b in staged], len(self.runner.kv_slots))
+        return plan, [staged[w.load][1][w.index] for w in plan.writes]
+
+    def _table(self, load: KVLoad, n: int) -> list[int] | None:
+        """The blocks the load's sequence holds now where its first `n` blocks were planned (None
+        if the sequence is gone)."""
+        kv = self.scheduler.kv
+        if not kv.has_seq(load.seq.seq_id):
+            return None
+        return kv.block_table(load.seq.seq_id)[load.start_block : load.start_block + n]
 
     def after_update(self, events: KVEvents) -> None:
         """Write-through: save the blocks whose KV this step computed (not the ones it loaded)."""
@@ -104,12 +175,22 @@ class KVStoreConnector:
         self.store.close()
 
     def _write(self, block_ids: list[int], blocks: list[np.ndarray]) -> None:
-        data = _from_store(torch.from_numpy(np.stack(blocks)), self.runner.kv_caches[0][0].dtype)  # [n, L, 2, B, H, D]
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        for layer, (k, v) in enumerate(self.runner.kv_slots):  # a block holds its group's layers
-            idx = ids.to(k.device)
-            k.index_copy_(0, idx, data[:, layer, 0].to(k.device, k.dtype))
-            v.index_copy_(0, idx, data[:, layer, 1].to(v.device, v.dtype))
+        """Every layer of `blocks` into the device blocks `block_ids` (the whole-block path)."""
+        start = time.perf_counter()
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.runner.device)
+        for layer in range(len(self.runner.kv_slots)):
+            self._write_layer(layer, ids, blocks)
+        self.load_stall_s += time.perf_counter() - start
+
+    def _write_layer(self, layer: int, ids: torch.Tensor, blocks: list[np.ndarray]) -> None:
+        """Layer `layer`'s K and V of each stored block `[L, 2, B, H, D]` into device blocks `ids`
+        (a block holds its layer group's layers: every layer when the model is one group, the
+        only case the store loads)."""
+        k, v = self.runner.kv_slots[layer]
+        data = _from_store(torch.from_numpy(np.stack([b[layer] for b in blocks])), k.dtype)  # [n, 2, B, H, D]
+        data = data.to(k.device, k.dtype, non_blocking=True)
+        k.index_copy_(0, ids, data[:, 0])
+        v.index_copy_(0, ids, data[:, 1])
 
     def _save(self, items: list[tuple[BlockHash, int]]) -> None:
         if not items:

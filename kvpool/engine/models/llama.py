@@ -10,7 +10,7 @@ per-layer KV caches and the attention metadata. Sequences, sharing and schedulin
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -274,6 +274,7 @@ class LlamaForCausal(nn.Module):
         self.lm_head: nn.Parameter | None = None
         self._packed_head: PackedLinear | None = None
         self.q4_rows = 0  # batches up to this many rows run on 4-bit weights
+        self.before_layer: Callable[[int], None] | None = None  # layer-wise KV load: wait for layer i's KV
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.randn(config.vocab_size, config.hidden_size) * 0.02)
 
@@ -297,6 +298,8 @@ class LlamaForCausal(nn.Module):
         rope = self.rotary(positions, x.dtype)
         local = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rope
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if self.before_layer is not None:
+                self.before_layer(i)
             x = layer(x, *(local if layer.local_rope else rope), kv_cache, meta.for_layer(i))
         return self.norm(x[:num_tokens])
 

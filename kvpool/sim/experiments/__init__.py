@@ -23,6 +23,7 @@ EXPERIMENTS = {
     "prefill-saved": "prefill_saved",
     "storage-vs-compute": "storage_vs_compute",
     "pipeline-prefill": "pipeline_prefill",
+    "layerwise-prefill": "layerwise_prefill",
 }
 
 

@@ -67,7 +67,6 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                  "chunks to fill the pipeline, so their efficiency drops as stages are added. Attention makes "
                  "the last chunks the slowest, so 128K-token prompts gain the most."),
         published=("Mooncake FAST'25's chunked pipeline parallelism motivates this analysis without a "
-                   "per-stage TTFT table to compare against. The lecture's layer-wise prefill overlap (§9.3: an "
-                   "8.7K-token prompt with half its KV in the pool, 870 -> 454 ms) is not reproduced: it needs "
-                   "the engine's layer-wise KV load, which is not built yet, so that experiment is skipped."),
+                   "per-stage TTFT table to compare against. The lecture's layer-wise prefill overlap (§9.3) is "
+                   "the next experiment (layerwise-prefill)."),
     )

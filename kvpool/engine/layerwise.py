@@ -1,0 +1,90 @@
+"""Layer-wise loading of store hits, the engine's part: a background thread writes a
+`LayerwisePlan` (kvpool/sched/layerwise.py) into the device KV cache one layer at a time and
+sets an event per layer; the model's per-layer hook waits for layer l before computing it, so
+writing layer l+1 overlaps computing layer l. On CUDA the writes run on a side stream and the
+hook makes the compute stream wait for that layer's CUDA event (the host does not block on
+the GPU).
+
+`trace` records, in order, ("loaded", l) when layer l has landed and ("compute", l) when the
+forward passes the hook of layer l: the ordering the tests check.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+
+from kvpool.sched.layerwise import LayerwisePlan
+
+
+class LayerwiseLoadError(RuntimeError):
+    """Writing store KV into the device cache failed: the step cannot use the plan."""
+
+
+class LayerwiseWriter:
+    def __init__(self, plan: LayerwisePlan, write_layer: Callable[[int], None], device: torch.device) -> None:
+        self.plan = plan
+        self._write_layer = write_layer
+        layers = len(plan.layers())
+        self._ready = [threading.Event() for _ in range(layers)]
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._device = device
+        self._cuda_events: list[torch.cuda.Event | None] = [None] * layers
+        self._error: BaseException | None = None
+        self._waited = 0
+        self.stall_s = 0.0  # how long the forward sat in `wait` (its share of the load on the critical path)
+        self.trace: list[tuple[str, int]] = []
+        self._thread = threading.Thread(target=self._run, name="kv-layerwise", daemon=True)
+
+    def start(self) -> LayerwiseWriter:
+        self._thread.start()
+        return self
+
+    def wait(self, layer: int) -> None:
+        """The model's hook before it computes `layer`: returns once that layer's KV has landed."""
+        if layer < len(self._ready):
+            start = time.perf_counter()
+            self._ready[layer].wait()
+            self.stall_s += time.perf_counter() - start
+            if self._error is not None:
+                raise LayerwiseLoadError(f"writing layer {layer} of {self.plan.num_blocks} store blocks "
+                                         f"failed: {self._error}") from self._error
+            event = self._cuda_events[layer]
+            if event is not None:
+                torch.cuda.current_stream(self._device).wait_event(event)
+            self._waited = layer + 1
+        self.trace.append(("compute", layer))
+
+    def join(self, check_waited: bool = True) -> None:
+        """Wait for every layer (the blocks must be whole before anyone else may read or reuse
+        them); raise if a forward that ran computed a layer it had not waited for."""
+        self._thread.join()
+        if self._stream is not None:
+            torch.cuda.current_stream(self._device).wait_stream(self._stream)
+        if self._error is not None:
+            raise LayerwiseLoadError(f"writing {self.plan.num_blocks} store blocks failed: {self._error}") \
+                from self._error
+        if check_waited and self._waited != len(self._ready):
+            raise LayerwiseLoadError(f"the forward waited for {self._waited} of {len(self._ready)} layers "
+                                     "of a layer-wise load (the model's per-layer hook was not called)")
+
+    def _run(self) -> None:
+        stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        try:
+            with torch.inference_mode(), stream:
+                for layer in self.plan.layers():
+                    self._write_layer(layer)
+                    if self._stream is not None:
+                        event = torch.cuda.Event()
+                        event.record(self._stream)
+                        self._cuda_events[layer] = event
+                    self.trace.append(("loaded", layer))
+                    self._ready[layer].set()
+        except BaseException as exc:  # noqa: BLE001 - handed to the forward, which raises it
+            self._error = exc
+            for ready in self._ready:
+                ready.set()
