@@ -1,6 +1,6 @@
 """kvpool: a KV-cache-centric LLM serving system."""
 
-__version__ = "0.1.0"
+from kvpool.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

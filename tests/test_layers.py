@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvpool"
 
 # Lower rank = lower layer. A module may import its own layer or any layer below it.
 LAYERS: dict[str, int] = {
-    "errors": 0, "sizes": 0,
+    "errors": 0, "sizes": 0, "version": 0,
     "core": 1,
     "sched": 2,
     "costs": 3,
