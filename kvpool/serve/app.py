@@ -11,7 +11,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvpool.version import __version__
 from kvpool.serve.chat import create_chat_completion, render
 from kvpool.serve.completions import create_completion
 from kvpool.serve.errors import install_handlers
@@ -23,6 +22,7 @@ from kvpool.serve.protocol import (
     TokenizeRequest,
 )
 from kvpool.serve.state import ServerState
+from kvpool.version import __version__
 
 logger = logging.getLogger(__name__)
 
