@@ -21,18 +21,10 @@ from torch import Tensor
 
 from kvpool.errors import ConfigError
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "int8")  # auto may resolve to float16
 QUANTIZED = {"int8": torch.int8, "fp8_e4m3": torch.uint8}  # name -> storage dtype of the cache
 SCALE_BYTES = 4  # one float32 scale per token and KV head, after its D values
 _QMAX = {torch.int8: 127.0, torch.uint8: 448.0}
 _FLOAT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
-    """The KV dtype an engine runs: `auto` is the model's dtype."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    return model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def storage_dtype(kv_dtype: str) -> torch.dtype:
@@ -83,3 +75,13 @@ def kv_values(cache_rows: Tensor, dtype: torch.dtype) -> Tensor:
     if is_quantized(cache_rows):
         return dequantize(cache_rows, dtype)
     return cache_rows if cache_rows.dtype == dtype else cache_rows.to(dtype)
+
+
+def allocate_caches(config, num_blocks: int, block_size: int, kv_dtype: str, device) -> list[tuple[Tensor, Tensor]]:
+    """Per layer a zeroed (k, v) pair `[num_blocks, block_size, Hkv, row_width]` of the KV dtype's storage."""
+    if num_blocks < 1 or block_size < 1:
+        raise ConfigError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+    shape = (num_blocks, block_size, config.num_kv_heads, row_width(kv_dtype, config.head_dim))
+    dtype = storage_dtype(kv_dtype)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)]

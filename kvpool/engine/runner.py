@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 
 from kvpool.engine.attention import AttentionMetadata
+from kvpool.engine.kv_quant import allocate_caches
 from kvpool.engine.loader import LoadedModel
-from kvpool.engine.models.llama import allocate_kv_caches, can_pack_weights
+from kvpool.engine.models.llama import can_pack_weights
 from kvpool.sched.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, num_blocks: int, block_size: int, num_host_blocks: int,
         dtype: torch.dtype, device: torch.device, pack_weights: bool = True, q4_kernels: bool = True,
-        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, kv_dtype: str | None = None,
     ) -> None:
         self.model = loaded.model
         if pack_weights and can_pack_weights(device, dtype):
@@ -37,10 +38,9 @@ class ModelRunner:
         self.config = loaded.config
         self.block_size = block_size
         self.device = device
-        self.kv_caches = allocate_kv_caches(loaded.config, num_blocks, block_size, dtype, device)
-        self.host_caches = (
-            allocate_kv_caches(loaded.config, num_host_blocks, block_size, dtype, "cpu") if num_host_blocks else []
-        )
+        kv = kv_dtype or str(dtype).removeprefix("torch.")  # None: the model's dtype
+        self.kv_caches = allocate_caches(loaded.config, num_blocks, block_size, kv, device)
+        self.host_caches = allocate_caches(loaded.config, num_host_blocks, block_size, kv, "cpu") if num_host_blocks else []
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> Tensor:
