@@ -85,22 +85,20 @@ def _run(engine: Engine, prompts, params):
 
 
 @contextmanager
-def simulated_scales(kind: str, kv: str):
-    """Float caches holding int8 / fp8 values dequantized: per token-and-head scales exactly as
-    kv_quant.py, or per block-and-head ones recomputed from a full-precision shadow of the block
-    at every write (blocks must not be reused: the engine gets enough of them)."""
+def simulated_scales(kv: str):
+    """Float caches holding int8 / fp8 values dequantized with per block-and-head scales,
+    recomputed from a full-precision shadow of the block at every write."""
     cache_dtype = QUANTIZED[kv]
     shadows: dict[int, torch.Tensor] = {}
 
     def write(key, value, k_cache, v_cache, slot_mapping):
         hkv, d = k_cache.shape[-2:]
         for x, cache in ((key, k_cache), (value, v_cache)):
-            if kind == "per-token-head":
-                cache.view(-1, hkv, d).index_copy_(0, slot_mapping, dequantize(quantize(x, cache_dtype)))
-                continue
             shadow = shadows.setdefault(id(cache), torch.zeros_like(cache))
+            block_size = cache.shape[1]
+            shadow[slot_mapping[slot_mapping % block_size == 0] // block_size] = 0  # a block's first write: forget its old life
             shadow.view(-1, hkv, d).index_copy_(0, slot_mapping, x.to(shadow.dtype))
-            blocks = torch.unique(slot_mapping // cache.shape[1])
+            blocks = torch.unique(slot_mapping // block_size)
             rows = shadow.index_select(0, blocks)  # [n, B, Hkv, D]
             per_head = rows.transpose(1, 2).reshape(len(blocks), hkv, -1)  # a block-and-head's values
             packed = quantize(per_head, cache_dtype)  # one scale per block and head
@@ -129,7 +127,7 @@ def add_arguments(p) -> None:
     p.add_argument("--output-len", type=int, default=256, help="greedy tokens generated per prompt")
     p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3,int8", help="KV dtypes compared with the reference")
     p.add_argument("--scales-study", action="store_true",
-                   help="also simulate per block-and-head scales (and per token-and-head, as a check)")
+                   help="also simulate int8 / fp8 with per block-and-head scales (an oracle)")
     p.add_argument("--json", default="kv_accuracy.json")
     p.add_argument("--png", default="kv_accuracy.png")
     add_engine_args(p)
@@ -157,11 +155,11 @@ def main(args) -> int:
     rows = [_row(base.dtype, "-", ref_tokens, ref_tokens, ref_lp, ref_lp, ref_top, ref_top, _bpt(ref))]
     runs = [(kv, "per-token-head" if kv in QUANTIZED else "-", None) for kv in args.kv_dtypes.split(",")]
     if args.scales_study:
-        runs += [(kv, s, s) for kv in QUANTIZED for s in ("per-token-head", "per-block-head")]
+        runs += [(kv, "per-block-head", "per-block-head") for kv in QUANTIZED]
     for kv, scales, simulated in runs:
         logger.info("kv-accuracy: %s %s%s", kv, scales, " (simulated)" if simulated else "")
         if simulated:
-            with simulated_scales(simulated, kv):
+            with simulated_scales(kv):
                 eng = engine(base.dtype)
                 tokens = _generate(eng, prompt_ids, n)
                 lp, top = _teacher_forced(eng, seqs, starts)
