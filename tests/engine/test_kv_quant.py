@@ -12,6 +12,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
 from kvpool.engine.kernels import paged_attention_available
 from kvpool.engine.kv_quant import QUANTIZED, SCALE_BYTES, dequantize, quantize
+from kvpool.errors import ConfigError
 from kvpool.sched.sampling_params import SamplingParams
 
 KV_DTYPES = list(QUANTIZED)
@@ -23,6 +24,13 @@ def quantized_batch(kv_dtype: str, cached, new, block_size, kv_heads, group, see
     query, k, v, meta, _ = make_batch(cached, new, block_size, kv_heads, group, torch.float32, seed)
     qk, qv = quantize(k, QUANTIZED[kv_dtype]), quantize(v, QUANTIZED[kv_dtype])
     return query, (qk, qv), (dequantize(qk), dequantize(qv)), meta
+
+
+def test_kv_cache_dtype_flag_is_checked_and_auto_is_the_model_dtype():
+    with pytest.raises(ConfigError, match="kv_cache_dtype.*'int4'"):
+        EngineConfig(kv_cache_dtype="int4")
+    assert EngineConfig(dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    assert EngineConfig(dtype="float32", kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
 
 
 def test_quantize_roundtrip_error_is_bounded():
