@@ -170,16 +170,20 @@ def main(args) -> int:
             lp, top = _teacher_forced(eng, seqs, starts)
             label = scales
         rows.append(_row(kv, label, ref_tokens, tokens, ref_lp, lp, ref_top, top, None if simulated else _bpt(eng)))
-    elapsed = time.perf_counter() - start
+        _write(args.json, loaded.name, base.dtype, n, ref_tokens, time.perf_counter() - start, rows)  # row by row
     _print(rows, len(PROMPTS), n, base.dtype)
-    report = {"model": loaded.name, "model_dtype": base.dtype, "prompts": len(PROMPTS), "output_len": n,
-              "generated_tokens": sum(len(t) for t in ref_tokens), "elapsed_s": elapsed,
-              "rows": [asdict(r) for r in rows]}
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
+    _write(args.json, loaded.name, base.dtype, n, ref_tokens, time.perf_counter() - start, rows)
     _plot(rows, args.png, base.dtype)
     print(f"wrote {args.json} and {args.png}")
     return 0
+
+
+def _write(path: str, model: str, dtype: str, n: int, ref_tokens, elapsed: float, rows: list[AccuracyRow]) -> None:
+    report = {"model": model, "model_dtype": dtype, "prompts": len(PROMPTS), "output_len": n,
+              "generated_tokens": sum(len(t) for t in ref_tokens), "elapsed_s": elapsed,
+              "rows": [asdict(r) for r in rows]}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
 
 
 def _bpt(engine: Engine) -> int:
