@@ -48,6 +48,10 @@ class ThroughputResult:
     peak_kv_token_fraction_of_allocated: float | None = None
     mean_token_fraction_of_allocated: float | None = None
     preemptions: int | None = None
+    kv_cache_dtype: str | None = None
+    kv_blocks: int | None = None
+    peak_running_seqs: int | None = None  # the concurrency the KV budget allowed
+    mean_running_seqs: float | None = None
 
 
 def make_workload(num: int, min_in: int, max_in: int, vocab: int, seed: int) -> list[list[int]]:
@@ -81,7 +85,7 @@ def run_kvpool(engine: Engine, prompts: list[list[int]], output_len: int, limits
     for p in prompts:
         engine.add_request(p, params)
     kv = engine.scheduler.kv
-    peak_used, peak_frac, fracs = 0, 1.0, []
+    peak_used, peak_frac, fracs, running = 0, 1.0, [], []
     start = time.perf_counter()
     bar = tqdm(total=len(prompts), desc="kvpool", unit="req", leave=False)
     out_tokens = 0
@@ -90,6 +94,7 @@ def run_kvpool(engine: Engine, prompts: list[list[int]], output_len: int, limits
             if out.finished:
                 bar.update(1)
                 out_tokens += sum(len(o.token_ids) for o in out.outputs)
+        running.append(engine.scheduler.num_running_seqs)
         u = kv.usage()
         if u.used_blocks:
             fracs.append(u.token_fraction_of_allocated)
@@ -101,7 +106,9 @@ def run_kvpool(engine: Engine, prompts: list[list[int]], output_len: int, limits
         "kvpool", prompts, out_tokens, output_len, elapsed, engine.loaded.config, limits, engine.config.dtype,
         peak_kv_blocks_used=peak_used, peak_kv_token_fraction_of_allocated=peak_frac,
         mean_token_fraction_of_allocated=float(np.mean(fracs)) if fracs else None,
-        preemptions=engine.scheduler.num_preemptions,
+        preemptions=engine.scheduler.num_preemptions, kv_cache_dtype=engine.kv_dtype,
+        kv_blocks=engine.scheduler.config.num_blocks, peak_running_seqs=max(running, default=0),
+        mean_running_seqs=float(np.mean(running)) if running else None,
     )
 
 
@@ -153,6 +160,8 @@ def _print(r: ThroughputResult) -> None:
         print(f"  KV at peak: {r.peak_kv_blocks_used} blocks used, {r.peak_kv_token_fraction_of_allocated:.1%} of "
               f"allocated slots hold tokens (mean over steps {r.mean_token_fraction_of_allocated:.1%}); "
               f"preemptions {r.preemptions}")
+        print(f"  KV dtype {r.kv_cache_dtype}: {r.kv_blocks} blocks; running sequences peak {r.peak_running_seqs}, "
+              f"mean {r.mean_running_seqs:.1f}")
 
 
 def main(args) -> int:

@@ -1,4 +1,4 @@
-"""`kvpool bench core | throughput | long-context | serve | profile | kvstore | cluster | swa`."""
+"""`kvpool bench core | throughput | long-context | serve | profile | kvstore | kv-accuracy | cluster | swa`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ BENCHES = {
     "serve": "kvpool.bench.serve",
     "profile": "kvpool.bench.profile",
     "kvstore": "kvpool.bench.kvstore",
+    "kv-accuracy": "kvpool.bench.kv_accuracy",
     "cluster": "kvpool.bench.cluster",
     "swa": "kvpool.bench.swa",
 }

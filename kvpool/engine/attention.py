@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvpool.engine.kernels import paged_attention_available
+from kvpool.engine.kv_quant import is_quantized, kv_values, quantize
 from kvpool.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 KVCache = tuple[Tensor, Tensor]
 SDPA_MIN = 64  # prefill chunks at least this long run on SDPA's fused kernel
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+_NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # uint8: fp8 e4m3 bits
 
 
 @dataclass(slots=True)
@@ -198,8 +200,11 @@ def _mask_for(mask: Tensor | None, query: Tensor) -> Tensor | None:
 def write_kv(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
-    """Scatter [T, Hkv, D] key/value rows into their flat slots."""
+    """Scatter [T, Hkv, D] key/value rows into their flat slots (quantized per token and head
+    for an int8 / fp8 cache, see kv_quant.py)."""
     hkv, d = k_cache.shape[-2:]
+    if is_quantized(k_cache):
+        key, value = quantize(key, k_cache.dtype), quantize(value, v_cache.dtype)
     k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -217,7 +222,9 @@ def paged_attention(
     """[T, H, D] attention output. `new_kv` (this step's K/V rows) lets fresh prompts skip the
     gather; results are the same without it. `window` / `softcap`: see the module docstring."""
     _check_window_softcap(window, softcap)
-    if query.is_cuda:
+    if is_quantized(k_cache):
+        new_kv = None  # attend to the stored (quantized) K/V, so a prefix hit reads what a miss did
+    elif query.is_cuda:
         from kvpool.engine.kernels import triton_attention
 
         if triton_attention.triton_usable(k_cache, meta.block_size):
@@ -238,7 +245,7 @@ def _native_usable(query: Tensor, k_cache: Tensor) -> bool:
     return (
         query.device.type == "cpu"
         and query.dtype in _NATIVE_DTYPES
-        and k_cache.dtype in _NATIVE_DTYPES
+        and k_cache.dtype in _NATIVE_KV_DTYPES
         and query.stride(-1) == 1
         and k_cache.is_contiguous()
         and paged_attention_available()
@@ -321,8 +328,8 @@ def _prefill_chunk(
         v = new_kv[1][chunk.start : chunk.end].transpose(0, 1)
     else:
         blocks = meta.block_tables[chunk.seq, : chunk.num_blocks]
-        k = _gather(k_cache, blocks, chunk.seq_len)
-        v = _gather(v_cache, blocks, chunk.seq_len)
+        k = _gather(k_cache, blocks, chunk.seq_len, query.dtype)
+        v = _gather(v_cache, blocks, chunk.seq_len, query.dtype)
     return _attend(q[None], k[None], v[None], mask, scale, softcap)[0].transpose(0, 1)
 
 
@@ -346,10 +353,10 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, 
     return out.view(b, h, m, d).to(q.dtype)
 
 
-def _gather(cache: Tensor, blocks: Tensor, length: int) -> Tensor:
-    """[Hkv, length, D] K or V of one sequence."""
+def _gather(cache: Tensor, blocks: Tensor, length: int, dtype: torch.dtype) -> Tensor:
+    """[Hkv, length, D] K or V of one sequence, as `dtype` values."""
     hkv, d = cache.shape[-2:]
-    return cache.index_select(0, blocks).view(-1, hkv, d)[:length].transpose(0, 1)
+    return kv_values(cache.index_select(0, blocks).view(-1, hkv, d)[:length], dtype).transpose(0, 1)
 
 
 def _decode_attention(
@@ -362,10 +369,11 @@ def _decode_attention(
     softcap: float | None,
 ) -> Tensor:
     """One query row per sequence, batched over sequences with a validity mask."""
-    num, (hkv, d) = meta.num_decodes, k_cache.shape[-2:]
+    num, (hkv, width) = meta.num_decodes, k_cache.shape[-2:]
     span = meta.decode_blocks * meta.block_size
-    k = k_cache.index_select(0, meta.decode_block_ids).view(num, span, hkv, d).transpose(1, 2)
-    v = v_cache.index_select(0, meta.decode_block_ids).view(num, span, hkv, d).transpose(1, 2)
+    k = kv_values(k_cache.index_select(0, meta.decode_block_ids).view(num, span, hkv, width), query.dtype)
+    v = kv_values(v_cache.index_select(0, meta.decode_block_ids).view(num, span, hkv, width), query.dtype)
+    k, v, d = k.transpose(1, 2), v.transpose(1, 2), query.shape[-1]
     # The G query heads sharing a KV head become G query rows of that head: no K/V repeat.
     group = query.shape[1] // hkv
     q = query if not meta.prefills else query.index_select(0, meta.decode_rows)

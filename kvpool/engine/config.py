@@ -46,6 +46,16 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "float32"
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "int8")
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The KV dtype an engine runs (kv_quant.py): `auto` is the model's dtype (float16 included)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -57,6 +67,7 @@ class EngineConfig:
     model: str | None = None  # a .gguf file or an HF directory; None = the bundled SmolLM2
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto is resolved in __post_init__
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16 | fp8_e4m3 | int8 (kv_quant.py)
     block_size: int = 16
     kv_cache_memory: str = "1GiB"  # bytes, or a fraction of free memory
     num_blocks: int | None = None  # overrides kv_cache_memory (tests, experiments)
@@ -95,11 +106,14 @@ class EngineConfig:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         self._check_values()
         self.dtype = resolve_dtype(self.dtype, self.device)  # after the checks: its log line is no error
+        self.kv_cache_dtype = resolve_kv_dtype(self.kv_cache_dtype, self.dtype)
 
     def _check_values(self) -> None:
         """Every value a flag can give, checked before anything loads (a model, a port, torch)."""
         from kvpool.core.policies import POLICIES
         from kvpool.sizes import parse_bytes
+
+        resolve_kv_dtype(self.kv_cache_dtype, "float32")  # the name; auto resolves after dtype
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -140,6 +154,8 @@ def check_model_path(model: str) -> None:
 
 _HELP = {
     "dtype": "auto (bfloat16 on CPUs with AMX or AVX512-BF16, else float32) | float32 | bfloat16 | float16",
+    "kv_cache_dtype": "KV cache dtype: auto (= --dtype) | float32 | bfloat16 | fp8_e4m3 | int8; int8 / fp8 "
+    "keep one float32 scale per token and KV head (~1.9x the blocks of bf16 at head_dim 64; docs/kv_quant.md)",
     "model": "a .gguf file or an HF model directory (default: the bundled SmolLM2-135M-Instruct)",
     "kv_cache_memory": "KV cache budget: bytes (2GiB, 512MB) or a fraction of free memory (0.3)",
     "num_blocks": "number of KV blocks of the whole model's layers (overrides --kv-cache-memory)",

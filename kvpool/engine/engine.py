@@ -21,16 +21,16 @@ import torch
 
 from kvpool.core.block_pool import KVEvents
 from kvpool.core.layer_groups import group_layers
-from kvpool.engine.config import EngineConfig, available_host_memory
+from kvpool.engine.config import EngineConfig, available_host_memory, resolve_kv_dtype
 from kvpool.engine.controls import Controls, best_of
 from kvpool.engine.kv_io import KVStoreConnector
+from kvpool.engine.kv_quant import QUANTIZED, bytes_per_token, row_width, storage_dtype
 from kvpool.engine.loader import LoadedModel, load_model
-from kvpool.engine.models.llama import num_blocks_for_budget
 from kvpool.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpool.engine.runner import ModelRunner
 from kvpool.engine.sampler import sample
 from kvpool.engine.tokenizer import IncrementalDetokenizer
-from kvpool.errors import InvalidRequest
+from kvpool.errors import ConfigError, InvalidRequest
 from kvpool.sched.beam import beam_candidates
 from kvpool.sched.instance_load import decode_accepts, load_report
 from kvpool.sched.output import Sample, SchedulerOutput
@@ -73,15 +73,20 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype)
         # layer groups share one pool of blocks of group_size layers: the same memory holds G times as many
         groups = group_layers(mcfg.layer_windows, mcfg.num_layers, config.swa_freeing)
-        num_blocks = (config.num_blocks or self._blocks_from_budget()) * groups.num_groups
-        per_block = mcfg.kv_bytes_per_token(self.dtype) * config.block_size // groups.num_groups
+        model_block = bytes_per_token(self.kv_dtype, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim) * config.block_size
+        num_blocks = (config.num_blocks or self._blocks_from_budget(model_block)) * groups.num_groups
+        per_block = model_block // groups.num_groups
         num_host_blocks = parse_bytes(config.swap_space, "swap_space") // per_block
         if config.preemption_mode == "swap" and num_host_blocks < 1:
             raise InvalidRequest(f"swap_space {config.swap_space} holds no KV block ({per_block} bytes)")
         self.block_size = config.block_size
-        self.namespace = f"{self.loaded.name}/{config.dtype}/{config.block_size}"
+        self.namespace = f"{self.loaded.name}/{config.dtype}/{config.block_size}" + self._kv_suffix()
+        if groups.num_groups > 1 and self._store_configured():
+            raise ConfigError("the tiered KV store (--kv-host-memory / --kv-disk-path / --kv-remote) does not hold "
+                              "layer-grouped blocks yet: serve this sliding-window model with --no-swa-freeing")
         store = self._make_store()
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
@@ -97,7 +102,7 @@ class Engine:
             self.loaded, num_blocks, config.block_size,
             num_host_blocks if config.preemption_mode == "swap" else 0, self.dtype, self.device,
             pack_weights=config.cpu_weight_packing, q4_kernels=config.cpu_q4_kernels, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, layer_groups=groups,
+            max_num_seqs=config.max_num_seqs, layer_groups=groups, kv_dtype=self.kv_dtype,
         )
         self.kv_store: KVStoreConnector | None = None
         if store is not None:
@@ -107,9 +112,15 @@ class Engine:
         self._published = KVEvents()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at %d tokens: %.2fx",
-            num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * per_block / 2**20,
-            self.max_model_len, num_blocks * config.block_size / self.max_model_len,
+            num_blocks // groups.num_groups, config.block_size, num_blocks // groups.num_groups * config.block_size,
+            num_blocks * per_block / 2**20, self.max_model_len,
+            num_blocks // groups.num_groups * config.block_size / self.max_model_len,
         )
+        if groups.num_groups > 1:
+            logger.info("KV layer groups: %d of %d layers (windows %s) share %d pool blocks; window groups free "
+                        "what leaves the window (--no-swa-freeing keeps every block)", groups.num_groups,
+                        groups.group_size, groups.windows, num_blocks)
+        self._log_kv_dtype(per_block)
         self.controls = Controls(self.tokenizer, mcfg.vocab_size)  # penalties, grammars, prompt logprobs
         self._requests: dict[str, _Request] = {}
         self._failed: dict[str, str] = {}  # request id -> why, found while stepping
@@ -117,19 +128,26 @@ class Engine:
         self.num_steps = 0
         self.num_prompt_tokens = 0
 
+    def _store_configured(self) -> bool:
+        c = self.config
+        return parse_bytes(c.kv_host_memory, "kv_host_memory") > 0 or bool(c.kv_disk_path) or bool(c.kv_remote)
+
     def _make_store(self):
         c, m = self.config, self.loaded.config
-        if parse_bytes(c.kv_host_memory, "kv_host_memory") <= 0 and not c.kv_disk_path and not c.kv_remote:
+        if not self._store_configured():
             return None
         from kvpool.store.factory import make_store
         from kvpool.store.format import block_namespace, block_shape
 
-        np_dtype = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}[c.dtype]
+        # the cache's own bytes travel: bf16 as uint16, int8 as int8, fp8 e4m3 as uint8 (scales inline)
+        np_dtype = {"bfloat16": "uint16", "fp8_e4m3": "uint8"}.get(self.kv_dtype, self.kv_dtype)
+        width = row_width(self.kv_dtype, m.head_dim)
         return make_store(
             parse_bytes(c.kv_host_memory, "kv_host_memory"), c.kv_disk_path, parse_bytes(c.kv_disk_size, "kv_disk_size"),
             c.kv_remote, c.kv_write_policy,
-            block_namespace(self.loaded.name, c.dtype, c.block_size, m.num_layers, m.num_kv_heads, m.head_dim),
-            block_shape(m.num_layers, c.block_size, m.num_kv_heads, m.head_dim), np_dtype, c.eviction_policy,
+            block_namespace(self.loaded.name, c.dtype + self._kv_suffix(), c.block_size, m.num_layers,
+                            m.num_kv_heads, m.head_dim),
+            block_shape(m.num_layers, c.block_size, m.num_kv_heads, width), np_dtype, c.eviction_policy,
             disk_codec=c.kv_disk_codec, remote_codec=c.kv_remote_codec,
         )
 
@@ -170,9 +188,27 @@ class Engine:
             self._published.evicted.extend(events.evicted)
         return events
 
-    def _blocks_from_budget(self) -> int:
+    def _blocks_from_budget(self, per_block: int) -> int:
         budget = parse_bytes(self.config.kv_cache_memory, "kv_cache_memory", available_host_memory())
-        return num_blocks_for_budget(self.loaded.config, budget, self.config.block_size, self.dtype)
+        if budget < per_block:
+            raise ConfigError(f"KV budget {budget} bytes holds no block; one block needs {per_block} bytes")
+        return budget // per_block
+
+    def _kv_suffix(self) -> str:
+        """Namespace part pinning the KV dtype where it is not the model's: blocks written in
+        one KV dtype are never read as another (prefix cache and every store tier)."""
+        return "" if self.kv_dtype == self.config.dtype else f"/kv-{self.kv_dtype}"
+
+    def _log_kv_dtype(self, per_block: int) -> None:
+        m = self.loaded.config
+        model_bytes = bytes_per_token(self.config.dtype, m.num_layers, m.num_kv_heads, m.head_dim) * self.block_size
+        scales = " incl. one float32 scale per token and KV head" if self.kv_dtype in QUANTIZED else ""
+        logger.info("KV cache dtype %s (%s storage): %d bytes per block%s = %.2fx the blocks of %s KV in the same budget",
+                    self.kv_dtype, str(storage_dtype(self.kv_dtype)).removeprefix("torch."), per_block, scales,
+                    model_bytes / per_block, self.config.dtype)
+        if self.kv_dtype in QUANTIZED and self.device.type == "cuda":
+            logger.info("quantized KV on CUDA: attention dequantizes on the torch path (the Triton kernel reads "
+                        "float caches only)")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

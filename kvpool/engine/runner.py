@@ -17,8 +17,9 @@ from torch import Tensor
 
 from kvpool.core.layer_groups import LayerGroups, group_layers
 from kvpool.engine.attention import AttentionMetadata, KVCache
+from kvpool.engine.kv_quant import allocate_caches
 from kvpool.engine.loader import LoadedModel
-from kvpool.engine.models.llama import allocate_kv_caches, can_pack_weights
+from kvpool.engine.models.llama import can_pack_weights
 from kvpool.sched.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class ModelRunner:
         self, loaded: LoadedModel, num_blocks: int, block_size: int, num_host_blocks: int,
         dtype: torch.dtype, device: torch.device, pack_weights: bool = True, q4_kernels: bool = True,
         max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, layer_groups: LayerGroups | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         self.model = loaded.model
         if pack_weights and can_pack_weights(device, dtype):
@@ -40,16 +42,17 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.groups = layer_groups or group_layers((), loaded.config.num_layers)
+        self.kv_dtype = kv_dtype or str(dtype).removeprefix("torch.")  # None: the model's dtype
         # kv_slots: the group_size (k, v) tensors every group shares; kv_caches: each layer's one
-        self.kv_slots = self._allocate(num_blocks, dtype, device)
+        self.kv_slots = self._allocate(num_blocks, device)
         self.kv_caches = [self.kv_slots[s] for s in self.groups.layer_slot]
-        self.host_caches = self._allocate(num_host_blocks, dtype, "cpu") if num_host_blocks else []
+        self.host_caches = self._allocate(num_host_blocks, "cpu") if num_host_blocks else []
 
-    def _allocate(self, num_blocks: int, dtype: torch.dtype, device: torch.device | str) -> list[KVCache]:
+    def _allocate(self, num_blocks: int, device: torch.device | str) -> list[KVCache]:
         size = self.groups.group_size
         config = self.config if size == self.config.num_layers else replace(
             self.config, num_layers=size, layer_windows=())
-        return allocate_kv_caches(config, num_blocks, self.block_size, dtype, device)
+        return allocate_caches(config, num_blocks, self.block_size, self.kv_dtype, device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> Tensor:

@@ -178,9 +178,10 @@ class ServerMetrics:
         cfg, sched = engine.config, engine.scheduler.config
         info = Gauge(f"{prefix}:cache_config_info", "Information of the engine's KV cache configuration.",
                      ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks",
-                      "eviction_policy", "preemption_mode", "engine"], registry=metrics.registry)
+                      "eviction_policy", "preemption_mode", "engine", "kv_cache_dtype"], registry=metrics.registry)
         info.labels(str(sched.block_size), cfg.dtype, str(cfg.enable_prefix_caching), str(sched.num_blocks),
-                    str(sched.num_host_blocks), cfg.eviction_policy, cfg.preemption_mode, "0").set(1)
+                    str(sched.num_host_blocks), cfg.eviction_policy, cfg.preemption_mode, "0",
+                    getattr(engine, "kv_dtype", cfg.dtype)).set(1)
         metrics.watch_store(engine)
         return metrics
 

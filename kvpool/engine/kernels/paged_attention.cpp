@@ -5,11 +5,13 @@
 // visited in tiles of 16 positions with an online softmax; long units are split across threads
 // (flash-decoding) and their partial (max, sum, acc) are merged with log-sum-exp weights.
 //
-// K/V tiles are first converted to fp32 scratch by `load_tile`: fp32 and bf16 caches today; an
-// int8/fp8 cache with per-block scales only needs another `load_tile`.
+// K/V tiles are first converted to fp32 scratch by `load_tile`: fp32 and bf16 caches, and the
+// quantized caches of kvpool/engine/kv_quant.py: per token and KV head D int8 or fp8-e4m3 bytes
+// then a float32 scale, dequantized as float(q) * scale in fp32 (the torch path's expression).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -28,6 +30,9 @@ constexpr int64_t kTile = 16;       // key positions per tile
 constexpr int64_t kRowsTarget = 16;  // query rows (tokens x group) a unit aims for
 constexpr int64_t kMinSplit = 256;   // never split a context into parts shorter than this
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kScaleBytes = 4;  // the float32 scale after a quantized row's D values
+
+enum class KV : int { kF32, kBF16, kInt8, kFP8 };
 
 struct Problem {
   const void* query;
@@ -40,7 +45,9 @@ struct Problem {
   int64_t q_stride_t, q_stride_h, bt_stride, block_size, kv_heads, group, head_dim, heads;
   float scale, softcap;
   int64_t window;  // 0: none
-  bool q_bf16, kv_bf16;
+  bool q_bf16;
+  KV kv;
+  int64_t kv_width;  // elements per token and KV head in the cache (D, or D + 4 bytes quantized)
 };
 
 struct Unit {
@@ -83,18 +90,62 @@ void from_float(const float* src, bool bf16, int64_t n, void* dst) {
   for (int64_t i = 0; i < n; ++i) d[i] = c10::BFloat16(src[i]);  // round to nearest even
 }
 
+struct FP8Table {
+  float v[256];
+  FP8Table() {
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const FP8Table kFP8;
+
+// One quantized row: D bytes then the float32 scale -> float(q) * scale.
+void dequant_row(const char* src, KV kv, int64_t d, float* dst) {
+  float scale;
+  std::memcpy(&scale, src + d, sizeof(float));
+  int64_t i = 0;
+  if (kv == KV::kInt8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(src);
+#ifdef __AVX512F__
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; i + 16 <= d; i += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
+      _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s));
+    }
+#endif
+    for (; i < d; ++i) dst[i] = static_cast<float>(q[i]) * scale;
+    return;
+  }
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(src);
+#ifdef __AVX512F__
+  const __m512 s = _mm512_set1_ps(scale);
+  for (; i + 16 <= d; i += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), kFP8.v, 4), s));
+  }
+#endif
+  for (; i < d; ++i) dst[i] = kFP8.v[q[i]] * scale;
+}
+
 // K and V of key positions [k0, k0 + n) of one sequence and KV head, as fp32 rows [n][D].
 void load_tile(const Problem& p, const int64_t* table, int64_t kvh, int64_t k0, int64_t n, float* kf, float* vf) {
-  const int64_t d = p.head_dim, row = p.kv_heads * d, elem = p.kv_bf16 ? 2 : 4;
+  const int64_t d = p.head_dim, w = p.kv_width, row = p.kv_heads * w;
+  const int64_t elem = p.kv == KV::kF32 ? 4 : p.kv == KV::kBF16 ? 2 : 1;
+  const bool quantized = p.kv == KV::kInt8 || p.kv == KV::kFP8;
   const char* kc = static_cast<const char*>(p.k_cache);
   const char* vc = static_cast<const char*>(p.v_cache);
   for (int64_t i = 0; i < n;) {
     const int64_t pos = k0 + i, off = pos % p.block_size;
     const int64_t run = std::min(p.block_size - off, n - i);
-    const int64_t base = ((table[pos / p.block_size] * p.block_size + off) * row + kvh * d) * elem;
+    const int64_t base = ((table[pos / p.block_size] * p.block_size + off) * row + kvh * w) * elem;
     for (int64_t j = 0; j < run; ++j, ++i) {
-      to_float(kc + base + j * row * elem, p.kv_bf16, d, kf + i * d);
-      to_float(vc + base + j * row * elem, p.kv_bf16, d, vf + i * d);
+      const int64_t at = base + j * row * elem;
+      if (quantized) {
+        dequant_row(kc + at, p.kv, d, kf + i * d);
+        dequant_row(vc + at, p.kv, d, vf + i * d);
+      } else {
+        to_float(kc + at, p.kv == KV::kBF16, d, kf + i * d);
+        to_float(vc + at, p.kv == KV::kBF16, d, vf + i * d);
+      }
     }
   }
 }
@@ -271,18 +322,21 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
               "k_cache, v_cache: contiguous [blocks, block_size, Hkv, D] of one dtype");
   const auto qt = query.scalar_type(), kt = k_cache.scalar_type();
   TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16, "query: float32 or bfloat16");
-  TORCH_CHECK(kt == at::kFloat || kt == at::kBFloat16, "KV cache: float32 or bfloat16");
+  TORCH_CHECK(kt == at::kFloat || kt == at::kBFloat16 || kt == at::kChar || kt == at::kByte,
+              "KV cache: float32, bfloat16, int8 or uint8 (fp8 e4m3 bits) with scales");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && query_start.is_contiguous() &&
                   seq_lens.is_contiguous() && seqs.is_contiguous() && query_start.scalar_type() == at::kLong &&
                   seq_lens.scalar_type() == at::kLong && seqs.scalar_type() == at::kLong,
               "block tables, query starts, sequence lengths, sequence ids: contiguous int64");
   const int64_t heads = query.size(1), kv_heads = k_cache.size(2), d = query.size(2);
-  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == d, "query heads must be a multiple of KV heads, same D");
+  const KV kv = kt == at::kFloat ? KV::kF32 : kt == at::kBFloat16 ? KV::kBF16 : kt == at::kChar ? KV::kInt8 : KV::kFP8;
+  const int64_t width = (kv == KV::kInt8 || kv == KV::kFP8) ? d + kScaleBytes : d;
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == width,
+              "query heads must be a multiple of KV heads; KV rows must hold D values (+ 4 scale bytes if quantized)");
   Problem p{query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr<int64_t>(), query_start.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
             query.stride(0), query.stride(1), block_tables.size(1), k_cache.size(1), kv_heads, heads / kv_heads, d,
-            heads, static_cast<float>(scale), static_cast<float>(softcap), window, qt == at::kBFloat16,
-            kt == at::kBFloat16};
+            heads, static_cast<float>(scale), static_cast<float>(softcap), window, qt == at::kBFloat16, kv, width};
   std::vector<Unit> units;
   std::vector<Item> items;
   plan(p, seqs.data_ptr<int64_t>(), seqs.numel(), units, items);
