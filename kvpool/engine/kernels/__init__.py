@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled once per machine with torch's extension builder and cached.
 
-Only what torch lacks lives here: a float32 matmul over 4-bit grouped weights (torch's own
-int4 CPU kernel is vectorized for bf16 activations only, which would change the model's
+Only what torch lacks lives here: float32 and bfloat16 matmuls over the checkpoint's own 4-bit
+(Q4_1) and 8-bit (Q8_0) groups that use exactly the dense copy's weights (torch's int4 CPU
+kernel takes its own packing and bf16 activations only, which would change the model's
 numbers), and paged attention that reads each sequence's K/V through its block table. If no
 compiler is at hand the engine keeps its dense float weights and its torch attention.
 """
@@ -50,7 +51,7 @@ def _build(name: str, source: Path) -> None:
 
 @cache
 def q4_linear_available() -> bool:
-    """Build (first call on a machine: ~30 s) and register `torch.ops.kvpool.q4_linear`."""
+    """Build (first call on a machine: ~30 s) and register `torch.ops.kvpool.q4_linear` / `q8_linear`."""
     try:
         _build("kvpool_kernels", SOURCE)
     except Exception as e:  # no compiler, no headers, read-only cache: stay on dense weights

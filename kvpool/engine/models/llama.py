@@ -20,8 +20,14 @@ from tqdm import tqdm
 from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from kvpool.engine.kernels import q4_linear_available
 from kvpool.engine.models.config import ModelConfig, rope_inv_freq
-from kvpool.engine.models.quantized import MAX_ROWS as MAX_Q4_ROWS
-from kvpool.engine.models.quantized import Q4Linear, q4_groups
+from kvpool.engine.models.quantized import (
+    HEAD_MAX_ROWS_BF16,
+    MAX_ROWS,
+    MAX_ROWS_BF16,
+    Q4Linear,
+    Q8Linear,
+    q4_groups,
+)
 from kvpool.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -272,8 +278,10 @@ class LlamaForCausal(nn.Module):
         self.rotary = Rotary(config)
         self.local_rotary = Rotary(config, local=True) if config.local_rope_theta else None
         self.lm_head: nn.Parameter | None = None
-        self._packed_head: PackedLinear | None = None
+        self._packed_head: PackedLinear | Q8Linear | None = None
         self.q4_rows = 0  # batches up to this many rows run on 4-bit weights
+        # Quantized groups recovered by the loader before a cast to bf16 (module name -> groups)
+        self.quant_groups: dict[str, tuple[Tensor, ...]] = {}
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.randn(config.vocab_size, config.hidden_size) * 0.02)
 
@@ -313,26 +321,45 @@ class LlamaForCausal(nn.Module):
     def pack_cpu_weights(self, q4_kernels: bool = False) -> None:
         """Swap every projection (and the LM head) for a oneDNN-packed copy, once the weights
         are loaded; the embedding table stays as it is for the lookup. With `q4_kernels`, a
-        projection whose weights are exactly 4-bit groups also keeps those for small batches."""
+        projection whose weights are exactly 4-bit groups also keeps those for small batches
+        (float32 or bfloat16); under bfloat16 the LM head also keeps its Q8_0 groups."""
         if self._packed_head is not None:
             return
         q4_kernels = q4_kernels and q4_linear_available()
+        bf16 = self.embed_tokens.weight.dtype == torch.bfloat16
+        max_rows = MAX_ROWS_BF16 if bf16 else MAX_ROWS
         served_q4 = 0
-        for layer in tqdm(self.layers, desc="packing weights", unit="layer", leave=False, disable=None):
+        for i, layer in enumerate(tqdm(self.layers, desc="packing weights", unit="layer", leave=False, disable=None)):
             attn, mlp = layer.self_attn, layer.mlp
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
                 lin = getattr(owner, name)
                 packed: nn.Module = PackedLinear(lin.weight, lin.bias)
-                groups = q4_groups(lin.weight) if q4_kernels else None
+                groups = self._groups(f"layers.{i}.{'self_attn' if owner is attn else 'mlp'}.{name}", lin.weight,
+                                      bf16) if q4_kernels else None
                 if groups is not None:
-                    packed, served_q4 = Q4Linear(packed, groups, packed.bias), served_q4 + 1
+                    packed, served_q4 = Q4Linear(packed, groups, packed.bias, max_rows), served_q4 + 1
                 setattr(owner, name, packed)
+        head_name = "embed_tokens.weight" if self.lm_head is None else "lm_head"
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         self._packed_head = PackedLinear(head, None)
-        self.q4_rows = MAX_Q4_ROWS if served_q4 else 0
+        head_groups = self.quant_groups.get(head_name) if q4_kernels and bf16 else None
+        if head_groups is not None and len(head_groups) == 2:
+            self._packed_head = Q8Linear(self._packed_head, head_groups, None, HEAD_MAX_ROWS_BF16)
+        self.quant_groups = {}
+        self.q4_rows = max_rows if served_q4 else 0
         if q4_kernels:
-            logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups",
-                        served_q4, 4 * len(self.layers), MAX_Q4_ROWS)
+            logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups%s",
+                        served_q4, 4 * len(self.layers), max_rows,
+                        f"; the LM head <= {HEAD_MAX_ROWS_BF16} rows from 8-bit groups"
+                        if isinstance(self._packed_head, Q8Linear) else "")
+
+    def _groups(self, name: str, weight: Tensor, bf16: bool) -> tuple[Tensor, ...] | None:
+        """A projection's 4-bit groups: from its float32 weight, or under bf16 as the loader
+        recovered them before the cast (none if it did not)."""
+        if bf16:
+            groups = self.quant_groups.get(name)
+            return groups if groups is not None and len(groups) == 3 else None
+        return q4_groups(weight)
 
     def warm_up_packed(self, max_tokens: int, max_logit_rows: int) -> None:
         """Pre-build oneDNN kernels for every padded size a step can produce (one layer's
@@ -343,8 +370,9 @@ class LlamaForCausal(nn.Module):
             dense = lin.dense if isinstance(lin, Q4Linear) else lin
             if isinstance(dense, PackedLinear):
                 dense.warm_up(max_tokens)
-        if self._packed_head is not None:
-            self._packed_head.warm_up(max_logit_rows)
+        head = self._packed_head.dense if isinstance(self._packed_head, Q8Linear) else self._packed_head
+        if isinstance(head, PackedLinear):
+            head.warm_up(max_logit_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing QKV and
