@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from kvpool.engine.kernels import q4_linear_available
+from kvpool.engine.models import fused
 from kvpool.engine.models.config import ModelConfig, rope_inv_freq
 from kvpool.engine.models.quantized import (
     HEAD_MAX_ROWS_BF16,
@@ -117,6 +118,8 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dim() == 2 and fused.usable(x):
+            return fused.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -152,19 +155,32 @@ class LlamaAttention(nn.Module):
         t = meta.num_tokens  # x may carry padding rows past them (see LlamaForCausal.forward)
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)[:t]
-        qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
-        if self.qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = apply_rotary(qk, cos, sin)
-        q, k = qk[:, :h], qk[:, h:]
-        v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+        if self._fused_rope(qkv, cos, k_cache):
+            q, k = fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h, hkv)
+        else:
+            qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
+            if self.qk_norm:
+                qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(
             q, k_cache, v_cache, meta, self.scale, new_kv=(k, v),
             window=self.window, softcap=self.softcap,
         ).reshape(t, h * d)
         return self.o_proj(pad_rows(out, x.shape[0]))
+
+    def _fused_rope(self, qkv: Tensor, cos: Tensor, k_cache: Tensor) -> bool:
+        """RoPE + K/V write as one op: bf16 rows, full rotary, no q/k norms, a bf16 cache."""
+        return (
+            not self.qk_norm
+            and 2 * cos.shape[-1] == self.head_dim
+            and cos.dtype == k_cache.dtype == torch.bfloat16
+            and k_cache.is_contiguous()
+            and fused.usable(qkv)
+        )
 
 
 _ACTIVATIONS = {
@@ -185,7 +201,10 @@ class LlamaMLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and fused.usable(gate_up):
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -210,8 +229,13 @@ class LlamaLayer(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> Tensor:
         if not self.sandwich:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-            return x + self.mlp(self.post_attention_layernorm(x))
+            attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+            norm = self.post_attention_layernorm
+            if not norm.offset and fused.usable(x):  # the residual add and the norm in one op
+                h, x = fused.add_rms_norm(attn, x, norm.weight, norm.eps)
+                return x + self.mlp(h)
+            x = x + attn
+            return x + self.mlp(norm(x))
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
