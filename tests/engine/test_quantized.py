@@ -80,6 +80,7 @@ def test_decode_steps_on_4bit_projections_match_the_float_model(plain_loaded):
     q4.model.pack_cpu_weights(q4_kernels=True)
     layer = q4.model.layers[0]
     assert all(isinstance(m, Q4Linear) for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+    assert not isinstance(q4.model._packed_head, Q8Linear)  # float32 keeps its dense head
     for prompt in PROMPTS[:4]:
         ids = plain_loaded.tokenizer.encode(prompt)
         ref, ours = PagedSequence(plain_loaded), PagedSequence(q4)
