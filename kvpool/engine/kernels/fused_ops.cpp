@@ -20,6 +20,9 @@
 namespace {
 
 using bf16 = c10::BFloat16;
+// Rows one thread takes: a decode step's elementwise work is microseconds, less than waking a
+// second thread costs (on a shared machine far less), so steps of up to 64 rows stay on one.
+constexpr int64_t kRowsPerThread = 64;
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
 
@@ -60,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_impl(const at::Tensor& x, const 
   at::Tensor out = at::empty({rows, n}, x.options());
   at::Tensor sum = add ? at::empty({rows, n}, x.options()) : x;
   const bf16* wp = weight.data_ptr<bf16>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(n);
     for (int64_t r = begin; r < end; ++r) {
       norm_row(x.data_ptr<bf16>() + r * x.stride(0), add ? residual->data_ptr<bf16>() + r * residual->stride(0) : nullptr,
@@ -120,7 +123,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: [T, 2 * intermediate]");
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const bf16* g = gate_up.data_ptr<bf16>() + r * gate_up.stride(0);
       const bf16* u = g + inter;
@@ -163,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
   at::Tensor k = at::empty({t, kv_heads, d}, qkv.options());
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " out of the cache");
-  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, t, kRowsPerThread, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const bf16* row = qkv.data_ptr<bf16>() + i * qkv.stride(0);
       const bf16* c = cos.data_ptr<bf16>() + i * half;
