@@ -15,7 +15,7 @@ COMMANDS = {
     "generate": ("kvpool.commands.generate", "generate text for one or more prompts"),
     "chat": ("kvpool.commands.chat", "interactive chat with the model"),
     "demo": ("kvpool.commands.demo", "show the paging mechanism at work (demo paging)"),
-    "bench": ("kvpool.commands.bench", "benchmarks: core | throughput | long-context | serve | profile | kvstore | cluster"),
+    "bench": ("kvpool.commands.bench", "benchmarks: core | throughput | long-context | serve | profile | overhead | kvstore | cluster"),
     "serve": ("kvpool.serve.cli", "OpenAI-compatible HTTP server"),
     "conductor": ("kvpool.cluster.cli", "the cluster's KV-aware gateway"),
     "cluster": ("kvpool.commands.cluster", "start/stop a local prefill/decode cluster: cluster up | down"),

@@ -1,4 +1,4 @@
-"""`kvpool bench core | throughput | long-context | serve | profile | kvstore | kv-accuracy | cluster | swa`."""
+"""`kvpool bench core | throughput | long-context | serve | profile | overhead | kvstore | kv-accuracy | cluster | swa`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ BENCHES = {
     "long-context": "kvpool.bench.long_context",
     "serve": "kvpool.bench.serve",
     "profile": "kvpool.bench.profile",
+    "overhead": "kvpool.bench.overhead",
     "kvstore": "kvpool.bench.kvstore",
     "kv-accuracy": "kvpool.bench.kv_accuracy",
     "cluster": "kvpool.bench.cluster",

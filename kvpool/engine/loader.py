@@ -28,6 +28,7 @@ from kvpool.engine.models.gguf_config import gguf_model_config
 from kvpool.engine.models.gguf_file import GGUFFile, GGUFTensor
 from kvpool.engine.models.hf_config import hf_config_to_model_config
 from kvpool.engine.models.llama import LlamaForCausal
+from kvpool.engine.models.quantized import model_groups
 from kvpool.engine.tokenizer import Tokenizer
 from kvpool.errors import ConfigError
 
@@ -80,6 +81,9 @@ def load_model(
     if model.local_rotary is not None:
         model.local_rotary.set_inv_freq(rope_inv_freq(config, local=True))
     model.load_weights(weights)
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        # the cast rounds the weights: recover their exact groups now, for the quantized kernels
+        model.quant_groups = model_groups(model, "embed_tokens.weight" if model.lm_head is None else "lm_head")
     model = model.to(device=device, dtype=dtype).eval()
     for rotary in (model.rotary, model.local_rotary):
         if rotary is not None:

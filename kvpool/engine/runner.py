@@ -34,7 +34,7 @@ class ModelRunner:
     ) -> None:
         self.model = loaded.model
         if pack_weights and can_pack_weights(device, dtype):
-            self.model.pack_cpu_weights(q4_kernels and dtype == torch.float32)
+            self.model.pack_cpu_weights(q4_kernels)
             start = time.perf_counter()
             self.model.warm_up_packed(max_num_batched_tokens + max_num_seqs, max_num_seqs)
             logger.info("CPU kernels for every batch shape built in %.1fs", time.perf_counter() - start)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpool.engine.kernels import q4_linear_available
-from kvpool.engine.models.quantized import MAX_ROWS, Q4Linear, q4_groups
+from kvpool.engine.models.quantized import MAX_ROWS, Q4Linear, Q8Linear, q4_groups, q8_groups
 
 needs_kernel = pytest.mark.skipif(not q4_linear_available(), reason="no C++ compiler for the 4-bit kernel")
 
@@ -80,6 +80,7 @@ def test_decode_steps_on_4bit_projections_match_the_float_model(plain_loaded):
     q4.model.pack_cpu_weights(q4_kernels=True)
     layer = q4.model.layers[0]
     assert all(isinstance(m, Q4Linear) for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+    assert not isinstance(q4.model._packed_head, Q8Linear)  # float32 keeps its dense head
     for prompt in PROMPTS[:4]:
         ids = plain_loaded.tokenizer.encode(prompt)
         ref, ours = PagedSequence(plain_loaded), PagedSequence(q4)
@@ -89,3 +90,113 @@ def test_decode_steps_on_4bit_projections_match_the_float_model(plain_loaded):
             assert int(b.argmax()) == token
             a, b = ref.step([token]), ours.step([token])
             assert (a - b).abs().max().item() <= 1e-3
+
+
+def q8_0_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A float weight made the way GGUF's Q8_0 dequantizes: a float16 scale per 32 weights."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+    q[..., 0] = 127  # the quantizer maps each group's largest magnitude to +-127
+    scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.01).half().float()
+    return (q * scale).reshape(n, k)
+
+
+def test_8bit_groups_are_recovered_only_from_exact_8bit_weights():
+    w = q8_0_weight(24, 64)
+    levels, scale = q8_groups(w)
+    assert levels.dtype == torch.int8 and scale.shape == (24, 2)
+    assert torch.equal(levels.reshape(24, 2, 32).float() * scale[..., None], w.reshape(24, 2, 32))
+    assert q8_groups(torch.randn(24, 64)) is None
+    assert q8_groups(w.bfloat16()) is None  # rounded weights: nothing to check them against
+
+
+def _kernel(kind: str, x: torch.Tensor, groups: tuple) -> torch.Tensor:
+    op = torch.ops.kvpool.q4_linear if kind == "q4" else torch.ops.kvpool.q8_linear
+    return op(x, *groups)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_bf16_kernel_multiplies_by_the_dense_bf16_copys_weights_bit_for_bit(kind):
+    """One-hot rows pick single weights: the kernel's bf16 weight must be exactly the dense bf16
+    copy's (float32 weight rounded to nearest even), and its sums agree with a float32 matmul
+    over that copy to one bf16 rounding of the output."""
+    w = q4_1_weight(80, 96, seed=3) if kind == "q4" else q8_0_weight(80, 96, seed=3)
+    groups = q4_groups(w) if kind == "q4" else q8_groups(w)
+    dense = w.bfloat16()
+    eye = torch.eye(96, dtype=torch.bfloat16)
+    for start in range(0, 96, 19):  # 19 rows: a chunk of 16, then 3
+        rows = eye[start : start + 19]
+        out = _kernel(kind, rows, groups)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, dense.T[start : start + 19])
+    for n_rows in (1, 2, 5, 8, 16, 17, 33):
+        x = torch.randn(n_rows, 96).bfloat16()
+        ref = x.float() @ dense.float().T
+        out = _kernel(kind, x, groups).float()
+        # float32 sums in another order, then one rounding to bf16 (relative 2^-8)
+        assert torch.allclose(out, ref, rtol=2**-8, atol=1e-3), (out - ref).abs().max()
+
+
+@needs_kernel
+def test_q8_kernel_refuses_float32_activations():
+    w = q8_0_weight(16, 64)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.kvpool.q8_linear(torch.randn(2, 64), *q8_groups(w))
+
+
+@pytest.fixture(scope="module")
+def bf16_q4():
+    from kvpool.engine.loader import load_model
+
+    loaded = load_model(None, dtype=torch.bfloat16)
+    loaded.model.pack_cpu_weights(q4_kernels=True)
+    return loaded
+
+
+def _force_dense(model, on: bool) -> None:
+    """Route every batch to the dense bf16 copies (the reference) or back to the kernels."""
+    from kvpool.engine.models.quantized import HEAD_MAX_ROWS_BF16, MAX_ROWS_BF16
+
+    for module in model.modules():
+        if isinstance(module, Q4Linear):
+            module.max_rows = 0 if on else (HEAD_MAX_ROWS_BF16 if isinstance(module, Q8Linear) else MAX_ROWS_BF16)
+    model.q4_rows = 0 if on else MAX_ROWS_BF16
+
+
+@needs_kernel
+def test_bf16_model_serves_decode_from_4bit_projections_and_an_8bit_head(bf16_q4):
+    """Under bf16 every projection keeps its 4-bit groups and the tied head its Q8_0 groups;
+    decode steps on them give the dense bf16 model's logits to bf16 summation order, and its
+    greedy tokens (teacher-forced on the dense model's choices)."""
+    from test_model_reference import BLOCK_SIZE, PROMPTS, PagedSequence
+
+    from kvpool.engine.models.llama import allocate_kv_caches
+
+    model = bf16_q4.model
+    layer = model.layers[0]
+    assert all(isinstance(m, Q4Linear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert isinstance(model._packed_head, Q8Linear)
+    agree = total = 0
+    worst = 0.0
+    for prompt in PROMPTS[:3]:
+        ids = bf16_q4.tokenizer.encode(prompt)
+        seqs = [PagedSequence(bf16_q4), PagedSequence(bf16_q4)]
+        for s in seqs:
+            s.kv = allocate_kv_caches(bf16_q4.config, 64, BLOCK_SIZE, torch.bfloat16, "cpu")
+        _force_dense(model, True)
+        ref = seqs[0].step(ids)[-1:]
+        _force_dense(model, False)
+        ours = seqs[1].step(ids)[-1:]
+        for _ in range(10):
+            token = int(ref.argmax())
+            agree += int(ours.argmax()) == token
+            total += 1
+            _force_dense(model, True)
+            ref = seqs[0].step([token])
+            _force_dense(model, False)
+            ours = seqs[1].step([token])
+            worst = max(worst, (ref - ours).abs().max().item())
+    assert agree >= total - 1, f"{agree}/{total} greedy tokens agree"
+    assert worst <= 1.0, worst  # logits ~10-20 in magnitude (bf16 ulp 0.06-0.125), 30 layers deep: 0.66 seen

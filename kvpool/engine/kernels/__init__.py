@@ -1,8 +1,10 @@
 """Native CPU kernels, compiled once per machine with torch's extension builder and cached.
 
-Only what torch lacks lives here: a float32 matmul over 4-bit grouped weights (torch's own
-int4 CPU kernel is vectorized for bf16 activations only, which would change the model's
-numbers), and paged attention that reads each sequence's K/V through its block table. If no
+Only what torch lacks lives here: float32 and bfloat16 matmuls over the checkpoint's own 4-bit
+(Q4_1) and 8-bit (Q8_0) groups that use exactly the dense copy's weights (torch's int4 CPU
+kernel takes its own packing and bf16 activations only, which would change the model's
+numbers), paged attention that reads each sequence's K/V through its block table, and fused
+per-layer elementwise ops for bf16 decode steps (dispatch, not arithmetic, is their cost). If no
 compiler is at hand the engine keeps its dense float weights and its torch attention.
 """
 
@@ -20,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("q4_linear.cpp")
 ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FUSED_SOURCE = Path(__file__).with_name("fused_ops.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 
@@ -50,7 +53,7 @@ def _build(name: str, source: Path) -> None:
 
 @cache
 def q4_linear_available() -> bool:
-    """Build (first call on a machine: ~30 s) and register `torch.ops.kvpool.q4_linear`."""
+    """Build (first call on a machine: ~30 s) and register `torch.ops.kvpool.q4_linear` / `q8_linear`."""
     try:
         _build("kvpool_kernels", SOURCE)
     except Exception as e:  # no compiler, no headers, read-only cache: stay on dense weights
@@ -71,4 +74,18 @@ def paged_attention_available() -> bool:
         logger.warning("native paged attention unavailable (%s); using the torch path", e)
         return False
     logger.info("native paged attention kernel loaded")
+    return True
+
+
+@cache
+def fused_ops_available() -> bool:
+    """Build (first call on a machine: ~30 s) and register `torch.ops.kvpool_fused.*`;
+    `KVPOOL_FUSED_OPS=0` keeps torch's op-by-op path."""
+    if os.environ.get("KVPOOL_FUSED_OPS", "1") == "0":
+        return False
+    try:
+        _build("kvpool_fused_ops", FUSED_SOURCE)
+    except Exception as e:  # no compiler, no headers, read-only cache: stay on torch ops
+        logger.warning("fused per-layer ops unavailable (%s); using torch ops", e)
+        return False
     return True

@@ -18,10 +18,17 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention, write_kv
-from kvpool.engine.kernels import q4_linear_available
+from kvpool.engine.kernels import fused_ops_available, q4_linear_available
+from kvpool.engine.models import fused
 from kvpool.engine.models.config import ModelConfig, rope_inv_freq
-from kvpool.engine.models.quantized import MAX_ROWS as MAX_Q4_ROWS
-from kvpool.engine.models.quantized import Q4Linear, q4_groups
+from kvpool.engine.models.quantized import (
+    HEAD_MAX_ROWS_BF16,
+    MAX_ROWS,
+    MAX_ROWS_BF16,
+    Q4Linear,
+    Q8Linear,
+    q4_groups,
+)
 from kvpool.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -111,6 +118,8 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dim() == 2 and fused.usable(x):
+            return fused.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -146,19 +155,32 @@ class LlamaAttention(nn.Module):
         t = meta.num_tokens  # x may carry padding rows past them (see LlamaForCausal.forward)
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)[:t]
-        qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
-        if self.qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = apply_rotary(qk, cos, sin)
-        q, k = qk[:, :h], qk[:, h:]
-        v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+        if self._fused_rope(qkv, cos, k_cache):
+            q, k = fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h, hkv)
+        else:
+            qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
+            if self.qk_norm:
+                qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(
             q, k_cache, v_cache, meta, self.scale, new_kv=(k, v),
             window=self.window, softcap=self.softcap,
         ).reshape(t, h * d)
         return self.o_proj(pad_rows(out, x.shape[0]))
+
+    def _fused_rope(self, qkv: Tensor, cos: Tensor, k_cache: Tensor) -> bool:
+        """RoPE + K/V write as one op: bf16 rows, full rotary, no q/k norms, a bf16 cache."""
+        return (
+            not self.qk_norm
+            and 2 * cos.shape[-1] == self.head_dim
+            and cos.dtype == k_cache.dtype == torch.bfloat16
+            and k_cache.is_contiguous()
+            and fused.usable(qkv)
+        )
 
 
 _ACTIVATIONS = {
@@ -179,7 +201,10 @@ class LlamaMLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and fused.usable(gate_up):
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -204,8 +229,13 @@ class LlamaLayer(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> Tensor:
         if not self.sandwich:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-            return x + self.mlp(self.post_attention_layernorm(x))
+            attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+            norm = self.post_attention_layernorm
+            if not norm.offset and fused.usable(x):  # the residual add and the norm in one op
+                h, x = fused.add_rms_norm(attn, x, norm.weight, norm.eps)
+                return x + self.mlp(h)
+            x = x + attn
+            return x + self.mlp(norm(x))
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -272,9 +302,11 @@ class LlamaForCausal(nn.Module):
         self.rotary = Rotary(config)
         self.local_rotary = Rotary(config, local=True) if config.local_rope_theta else None
         self.lm_head: nn.Parameter | None = None
-        self._packed_head: PackedLinear | None = None
+        self._packed_head: PackedLinear | Q8Linear | None = None
         self.q4_rows = 0  # batches up to this many rows run on 4-bit weights
         self.before_layer: Callable[[int], None] | None = None  # layer-wise KV load: wait for layer i's KV
+        # Quantized groups recovered by the loader before a cast to bf16 (module name -> groups)
+        self.quant_groups: dict[str, tuple[Tensor, ...]] = {}
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.randn(config.vocab_size, config.hidden_size) * 0.02)
 
@@ -316,26 +348,47 @@ class LlamaForCausal(nn.Module):
     def pack_cpu_weights(self, q4_kernels: bool = False) -> None:
         """Swap every projection (and the LM head) for a oneDNN-packed copy, once the weights
         are loaded; the embedding table stays as it is for the lookup. With `q4_kernels`, a
-        projection whose weights are exactly 4-bit groups also keeps those for small batches."""
+        projection whose weights are exactly 4-bit groups also keeps those for small batches
+        (float32 or bfloat16); under bfloat16 the LM head also keeps its Q8_0 groups."""
         if self._packed_head is not None:
             return
         q4_kernels = q4_kernels and q4_linear_available()
+        bf16 = self.embed_tokens.weight.dtype == torch.bfloat16
+        max_rows = MAX_ROWS_BF16 if bf16 else MAX_ROWS
         served_q4 = 0
-        for layer in tqdm(self.layers, desc="packing weights", unit="layer", leave=False, disable=None):
+        for i, layer in enumerate(tqdm(self.layers, desc="packing weights", unit="layer", leave=False, disable=None)):
             attn, mlp = layer.self_attn, layer.mlp
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
                 lin = getattr(owner, name)
                 packed: nn.Module = PackedLinear(lin.weight, lin.bias)
-                groups = q4_groups(lin.weight) if q4_kernels else None
+                groups = self._groups(f"layers.{i}.{'self_attn' if owner is attn else 'mlp'}.{name}", lin.weight,
+                                      bf16) if q4_kernels else None
                 if groups is not None:
-                    packed, served_q4 = Q4Linear(packed, groups, packed.bias), served_q4 + 1
+                    packed, served_q4 = Q4Linear(packed, groups, packed.bias, max_rows), served_q4 + 1
                 setattr(owner, name, packed)
+        head_name = "embed_tokens.weight" if self.lm_head is None else "lm_head"
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         self._packed_head = PackedLinear(head, None)
-        self.q4_rows = MAX_Q4_ROWS if served_q4 else 0
+        head_groups = self.quant_groups.get(head_name) if q4_kernels and bf16 else None
+        if head_groups is not None and len(head_groups) == 2:
+            self._packed_head = Q8Linear(self._packed_head, head_groups, None, HEAD_MAX_ROWS_BF16)
+        self.quant_groups = {}
+        self.q4_rows = max_rows if served_q4 else 0
+        if bf16:
+            fused_ops_available()  # build them now, not inside a served step
         if q4_kernels:
-            logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups",
-                        served_q4, 4 * len(self.layers), MAX_Q4_ROWS)
+            logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups%s",
+                        served_q4, 4 * len(self.layers), max_rows,
+                        f"; the LM head <= {HEAD_MAX_ROWS_BF16} rows from 8-bit groups"
+                        if isinstance(self._packed_head, Q8Linear) else "")
+
+    def _groups(self, name: str, weight: Tensor, bf16: bool) -> tuple[Tensor, ...] | None:
+        """A projection's 4-bit groups: from its float32 weight, or under bf16 as the loader
+        recovered them before the cast (none if it did not)."""
+        if bf16:
+            groups = self.quant_groups.get(name)
+            return groups if groups is not None and len(groups) == 3 else None
+        return q4_groups(weight)
 
     def warm_up_packed(self, max_tokens: int, max_logit_rows: int) -> None:
         """Pre-build oneDNN kernels for every padded size a step can produce (one layer's
@@ -346,8 +399,9 @@ class LlamaForCausal(nn.Module):
             dense = lin.dense if isinstance(lin, Q4Linear) else lin
             if isinstance(dense, PackedLinear):
                 dense.warm_up(max_tokens)
-        if self._packed_head is not None:
-            self._packed_head.warm_up(max_logit_rows)
+        head = self._packed_head.dense if isinstance(self._packed_head, Q8Linear) else self._packed_head
+        if isinstance(head, PackedLinear):
+            head.warm_up(max_logit_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Load HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...), fusing QKV and

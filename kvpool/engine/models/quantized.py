@@ -1,10 +1,13 @@
-"""4-bit weights for decode-sized batches: the bundled GGUF stores every projection as Q4_1
-groups, and a decode step streams the weights once per token batch, so reading the 4-bit
-groups instead of their float32 copy cuts the bytes per step about 6x.
+"""Quantized weights for decode-sized batches: the bundled GGUF stores every projection as Q4_1
+groups and the (tied) embedding as Q8_0 groups, and a decode step streams the weights once per
+token batch, so reading the groups instead of their float copy cuts the bytes per step 2-6x.
 
-The groups are recovered from the float weights and checked bit for bit: a matrix is served
-from 4 bits only when `d * q + m` (float32 multiply, then add, as the checkpoint's float copy
-was made) reproduces every weight exactly, so results change by summation order alone."""
+The groups are recovered from the float32 weights and checked bit for bit: a matrix is served
+from its groups only when `d * q + m` (Q4_1) or `d * q` (Q8_0), in float32 as the checkpoint's
+float copy was made, reproduces every weight exactly. Under bfloat16 the kernel rounds each
+such weight to bfloat16 as the dense bf16 copy was rounded, so in either dtype results change
+by summation order alone. A bf16 model has no float32 weights left to check, so the loader
+recovers the groups before it casts (`model_groups`)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,11 @@ import torch
 from torch import Tensor, nn
 
 GROUP = 32
-MAX_ROWS = 16  # above this a batch is compute-bound: the dense packed GEMM is faster
+# Above these a batch is compute-bound and the dense packed GEMM (AMX under bf16) is faster:
+# the kernels' dot products cost rows x weights, AMX's a sixteenth (figures in docs/architecture.md).
+MAX_ROWS = 16  # float32 activations
+MAX_ROWS_BF16 = 8
+HEAD_MAX_ROWS_BF16 = 4  # the LM head over Q8_0 groups
 
 
 def q4_groups(weight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -50,18 +57,60 @@ def _levels(groups: Tensor, low: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]
     return q, exact
 
 
+def q8_groups(weight: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(levels [N, K] int8, scale [N, K/32]) when each run of 32 weights along K is exactly
+    scale * q with q in -127..127 and scale a float16 value (GGUF's Q8_0); else None."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % GROUP:
+        return None
+    groups = weight.detach().reshape(-1, GROUP)
+    # The quantizer maps each group's largest magnitude to +-127: scale * 127 is exact in float32.
+    scale = (groups.abs().amax(-1) / 127).half().float()
+    q = torch.where(scale[:, None] > 0, groups / scale[:, None], 0).round()
+    if not bool(((q * scale[:, None] == groups) & (q.abs() <= 127)).all()):
+        return None
+    return q.to(torch.int8).reshape(n, k).contiguous(), scale.reshape(n, k // GROUP).contiguous()
+
+
+def model_groups(model: nn.Module, head: str) -> dict[str, tuple[Tensor, ...]]:
+    """Q4_1 groups of every exactly-4-bit Linear (by module name) and Q8_0 groups of the LM
+    head's weight (parameter `head`), from float32 weights, before a cast rounds them."""
+    found: dict[str, tuple[Tensor, ...]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and (groups := q4_groups(module.weight)) is not None:
+            found[name] = groups
+    head_groups = q8_groups(model.get_parameter(head))
+    if head_groups is not None:
+        found[head] = head_groups
+    return found
+
+
 class Q4Linear(nn.Module):
     """A frozen Linear with two copies of its weight: 4-bit groups for batches of at most
-    MAX_ROWS rows (weight-bandwidth bound), the dense module for larger ones."""
+    `max_rows` rows (weight-bandwidth bound), the dense module for larger ones. The kernel
+    takes float32 or bfloat16 activations and returns their dtype."""
 
-    def __init__(self, dense: nn.Module, groups: tuple[Tensor, Tensor, Tensor], bias: Tensor | None) -> None:
+    def __init__(
+        self, dense: nn.Module, groups: tuple[Tensor, ...], bias: Tensor | None, max_rows: int = MAX_ROWS
+    ) -> None:
         super().__init__()
         self.dense = dense
-        self.nibbles, self.scale, self.mins = groups
+        self.groups = groups
         self.bias = bias
+        self.max_rows = max_rows
+
+    def kernel(self, x: Tensor) -> Tensor:
+        return torch.ops.kvpool.q4_linear(x, *self.groups)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[0] > MAX_ROWS:
+        if x.shape[0] > self.max_rows:
             return self.dense(x)
-        y = torch.ops.kvpool.q4_linear(x, self.nibbles, self.scale, self.mins)
+        y = self.kernel(x)
         return y if self.bias is None else y + self.bias
+
+
+class Q8Linear(Q4Linear):
+    """The same over Q8_0 groups (the LM head); bfloat16 activations only."""
+
+    def kernel(self, x: Tensor) -> Tensor:
+        return torch.ops.kvpool.q8_linear(x, *self.groups)

@@ -1,0 +1,42 @@
+"""bf16 decode steps through fused per-layer ops (`engine/kernels/fused_ops.cpp`).
+
+A decode step at batch 8 runs ~1,700 torch ops, most of them elementwise work on a few
+thousand values whose dispatch costs more than their arithmetic. For bf16 batches of at most
+MAX_ROWS rows, RMSNorm (+ the residual add), SiLU * up and RoPE + the K/V write run as one op
+each, rounding where torch's bf16 ops round; larger batches (prefill) keep torch's ops, whose
+vectorized loops win there and whose dispatch is amortized. float32 is never routed here: it
+keeps the exact path the HF tests pin.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvpool.engine.kernels import fused_ops_available
+
+MAX_ROWS = 64
+
+
+def usable(x: Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] <= MAX_ROWS and fused_ops_available()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.ops.kvpool_fused.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(norm(x + residual), x + residual)."""
+    return torch.ops.kvpool_fused.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    return torch.ops.kvpool_fused.silu_mul(gate_up)
+
+
+def rope_write_kv(
+    qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, heads: int, kv_heads: int
+) -> tuple[Tensor, Tensor]:
+    """(q [T, H, D], k [T, Hkv, D]) rotated; k and V written to their slots."""
+    return torch.ops.kvpool_fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)

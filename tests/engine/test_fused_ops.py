@@ -1,0 +1,79 @@
+"""Fused per-layer ops for bf16 decode steps: each equals the torch ops it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpool.engine.attention import write_kv
+from kvpool.engine.kernels import fused_ops_available
+from kvpool.engine.models import fused
+from kvpool.engine.models.llama import RMSNorm, apply_rotary
+
+needs_kernel = pytest.mark.skipif(not fused_ops_available(), reason="no C++ compiler for the fused ops")
+BF16 = torch.bfloat16
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between a and b in bf16 steps (same-sign values)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max())
+
+
+def torch_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return norm.weight * xf.to(x.dtype)
+
+
+@needs_kernel
+def test_norm_and_residual_add_match_torch_to_one_bf16_step():
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(BF16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
+    x = (torch.randn(13, 576, generator=gen) * 3).to(BF16)
+    res = torch.randn(13, 576, generator=gen).to(BF16)
+    assert ulps(fused.rms_norm(x, norm.weight, norm.eps), torch_norm(x, norm)) <= 1  # mean's summation order
+    h, total = fused.add_rms_norm(x, res, norm.weight, norm.eps)
+    assert torch.equal(total, x + res)
+    assert ulps(h, torch_norm(x + res, norm)) <= 1
+
+
+@needs_kernel
+def test_silu_mul_matches_torch_to_one_bf16_step():
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(9, 2 * 1544, generator=gen) * 4).to(BF16)  # 1544: a 16-lane tail of 8
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    out = fused.silu_mul(gate_up)
+    assert out.shape == ref.shape
+    assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=1e-30)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_rope_and_kv_write_equal_torch_bit_for_bit(heads, kv_heads):
+    gen = torch.Generator().manual_seed(2)
+    t, d, blocks, bs = 7, 64, 6, 4
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(BF16)
+    angles = torch.rand(t, 1, d // 2, generator=gen) * 50
+    cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+    slots = torch.randperm(blocks * bs, generator=gen)[:t]
+    caches = [torch.zeros(blocks, bs, kv_heads, d, dtype=BF16) for _ in range(4)]
+    q, k = fused.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots, heads, kv_heads)
+    qk = apply_rotary(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin)
+    v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+    write_kv(qk[:, heads:], v, caches[2], caches[3], slots)
+    assert torch.equal(q, qk[:, :heads]) and torch.equal(k, qk[:, heads:])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="out of the cache"):
+        fused.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots + blocks * bs, heads, kv_heads)
+
+
+def test_float32_and_large_steps_keep_torch_ops():
+    """float32 is the exact path the HF tests pin; prefill-sized steps amortize dispatch."""
+    assert not fused.usable(torch.zeros(4, 8))
+    assert not fused.usable(torch.zeros(fused.MAX_ROWS + 1, 8, dtype=BF16))
