@@ -129,7 +129,7 @@ def add_arguments(p) -> None:
     p.add_argument("--scales-study", action="store_true",
                    help="also simulate int8 / fp8 with per block-and-head scales (an oracle)")
     p.add_argument("--json", default="kv_accuracy.json")
-    p.add_argument("--png", default="kv_accuracy.png")
+    p.add_argument("--png", default="kv_accuracy.png", help="write the agreement plot here")
     add_engine_args(p)
     p.set_defaults(dtype="float32")  # full precision: the reference is fp32 weights and KV
 

@@ -83,7 +83,7 @@ def measure(engine: Engine, batch: int = 8, prompt_len: int = 64, steps: int = 1
 
 def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=8, help="decode rows per step")
-    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of each decode row")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed (and again profiled)")
     p.add_argument("--seed-workload", type=int, default=0)
     add_engine_args(p)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from functools import cache
 from pathlib import Path
 
@@ -34,6 +35,20 @@ def build_dir(source: Path = SOURCE) -> Path:
     return base / "kernels" / digest.hexdigest()[:12]
 
 
+STALE_LOCK_S = 600  # a build takes ~30 s; an older lock was left by a builder that was killed
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's builder waits forever on a lock file a killed build left behind: drop it."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a kernel build lock left %.0f s ago by a build that did not finish: %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
 def _build(name: str, source: Path) -> None:
     from torch.utils import cpp_extension
 
@@ -41,6 +56,7 @@ def _build(name: str, source: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     if not any(path.glob("*.so")):
         logger.info("building the %s CPU kernel (first run on this machine, about 30 s)", name)
+    _drop_stale_lock(path / "lock")
     cpp_extension.load(
         name=name,
         sources=[str(source)],
