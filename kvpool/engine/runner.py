@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kvpool.core.layer_groups import LayerGroups, group_layers
 from kvpool.engine.attention import AttentionMetadata, KVCache
+from kvpool.engine.kernels import paged_attention_available
 from kvpool.engine.kv_quant import allocate_caches
 from kvpool.engine.loader import LoadedModel
 from kvpool.engine.models.llama import can_pack_weights
@@ -33,6 +34,8 @@ class ModelRunner:
         kv_dtype: str | None = None,
     ) -> None:
         self.model = loaded.model
+        if device.type == "cpu":
+            paged_attention_available()  # build (or load) the kernel now, not inside the first request's TTFT
         if pack_weights and can_pack_weights(device, dtype):
             self.model.pack_cpu_weights(q4_kernels)
             start = time.perf_counter()
