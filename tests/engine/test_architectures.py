@@ -261,3 +261,15 @@ def test_bf16_and_fp16_safetensors_load_as_their_float32_values(tmp_path):
         ref = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         assert torch.equal(ours.model.embed_tokens.weight, ref.model.embed_tokens.weight)
         assert (PagedSequence(ours).step(PROMPTS[1]) - _hf_logits(ref, PROMPTS[1])).abs().max() <= 1e-4
+
+
+def test_a_layer_grouped_model_refuses_the_tiered_store_by_name(tmp_path_factory):
+    """The store does not hold per-group blocks yet: a windowed model with SWA freeing and a
+    store is refused with the flag that serves it, never run with a store that cannot load."""
+    _, path, ours, _ = _build("gemma3", tmp_path_factory)
+    with pytest.raises(ConfigError, match="--no-swa-freeing"):
+        Engine(EngineConfig(model=str(path), dtype="float32", block_size=4, num_blocks=12,
+                            kv_host_memory="16MiB"), loaded=ours)
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", block_size=4, num_blocks=12,
+                                 kv_host_memory="16MiB", swa_freeing=False), loaded=ours)
+    assert engine.kv_store is not None and engine.scheduler.kv.num_groups == 1
