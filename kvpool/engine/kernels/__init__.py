@@ -67,41 +67,37 @@ def _build(name: str, source: Path) -> None:
     )
 
 
-@cache
-def q4_linear_available() -> bool:
-    """Build (first call on a machine: ~30 s) and register `torch.ops.kvpool.q4_linear` / `q8_linear`."""
+def _available(name: str, source: Path, what: str, fallback: str, switch: str | None = None) -> bool:
+    """Build `source` (first call on a machine: ~30 s) unless the env switch is "0"; on any
+    build failure (no compiler, no headers, read-only cache) log and let the caller fall back."""
+    if switch is not None and os.environ.get(switch, "1") == "0":
+        logger.info("%s off (%s=0); using %s", what, switch, fallback)
+        return False
     try:
-        _build("kvpool_kernels", SOURCE)
-    except Exception as e:  # no compiler, no headers, read-only cache: stay on dense weights
-        logger.warning("4-bit kernels unavailable (%s); using dense float weights", e)
+        _build(name, source)
+    except Exception as e:
+        logger.warning("%s unavailable (%s); using %s", what, e, fallback)
         return False
     return True
+
+
+@cache
+def q4_linear_available() -> bool:
+    """`torch.ops.kvpool.q4_linear` / `q8_linear`: 4-bit and 8-bit grouped weights."""
+    return _available("kvpool_kernels", SOURCE, "4-bit kernels", "dense float weights")
 
 
 @cache
 def paged_attention_available() -> bool:
-    """Build (first call on a machine: ~30 s) and register `torch.ops.kvpool_attn.paged_attention_out`."""
-    if os.environ.get("KVPOOL_NATIVE_ATTENTION", "1") == "0":
-        logger.info("native paged attention off (KVPOOL_NATIVE_ATTENTION=0); using the torch path")
-        return False
-    try:
-        _build("kvpool_attn_kernels", ATTENTION_SOURCE)
-    except Exception as e:  # no compiler, no headers, read-only cache: stay on torch attention
-        logger.warning("native paged attention unavailable (%s); using the torch path", e)
-        return False
-    logger.info("native paged attention kernel loaded")
-    return True
+    """`torch.ops.kvpool_attn.paged_attention_out`; `KVPOOL_NATIVE_ATTENTION=0` keeps torch's path."""
+    ok = _available("kvpool_attn_kernels", ATTENTION_SOURCE, "native paged attention", "the torch path",
+                    "KVPOOL_NATIVE_ATTENTION")
+    if ok:
+        logger.info("native paged attention kernel loaded")
+    return ok
 
 
 @cache
 def fused_ops_available() -> bool:
-    """Build (first call on a machine: ~30 s) and register `torch.ops.kvpool_fused.*`;
-    `KVPOOL_FUSED_OPS=0` keeps torch's op-by-op path."""
-    if os.environ.get("KVPOOL_FUSED_OPS", "1") == "0":
-        return False
-    try:
-        _build("kvpool_fused_ops", FUSED_SOURCE)
-    except Exception as e:  # no compiler, no headers, read-only cache: stay on torch ops
-        logger.warning("fused per-layer ops unavailable (%s); using torch ops", e)
-        return False
-    return True
+    """`torch.ops.kvpool_fused.*`; `KVPOOL_FUSED_OPS=0` keeps torch's op-by-op path."""
+    return _available("kvpool_fused_ops", FUSED_SOURCE, "fused per-layer ops", "torch ops", "KVPOOL_FUSED_OPS")
