@@ -330,11 +330,13 @@ class KVCacheManager:
             )
         B = self.block_size
         num_hit = hit.num_tokens // B
-        tables = []
-        for hit_ids in hit.tables if self.num_groups > 1 or self.windowed else (hit.block_ids,):
-            live = [b for b in hit_ids if b != NO_BLOCK] if self.windowed else hit_ids
-            self.pool.incref_all(live)
-            tables.append(list(hit_ids) + self.pool.allocate(-(-num_tokens // B) - num_hit, num_tokens - num_hit * B))
+        hit_tables = hit.tables if self.num_groups > 1 or self.windowed else (hit.block_ids,)
+        # Every group's hit blocks are referenced before any group allocates: an allocation may
+        # evict an idle cached block, and it must not be one another group's hit is about to use.
+        for hit_ids in hit_tables:
+            self.pool.incref_all([b for b in hit_ids if b != NO_BLOCK] if self.windowed else hit_ids)
+        tables = [list(hit_ids) + self.pool.allocate(-(-num_tokens // B) - num_hit, num_tokens - num_hit * B)
+                  for hit_ids in hit_tables]
         while len(tables) < self.num_groups:  # no hit: the other groups start empty
             tables.append(self.pool.allocate(-(-num_tokens // B), num_tokens))
         dead = [t.count(NO_BLOCK) for t in tables] if self.windowed else None

@@ -225,3 +225,23 @@ def test_each_group_registers_under_its_own_key_and_events_name_both():
     assert tables[1][0] == NO_BLOCK and kv.pool.lookup(tagged[1]) == tables[1][1]
     freed = kv.pool.lookup(tagged[0])  # left the window (position 9 reads 4..9): freed, still cached
     assert freed is not None and kv.pool.blocks[freed].ref_count == 0
+
+
+def test_one_groups_allocation_never_evicts_another_groups_hit_block():
+    """Found by the state machine above: the window group's hit block was idle in the cache and
+    the full group's new blocks, allocated first, evicted it, so both groups' tables named one
+    block. Every group's hit is referenced before any group allocates."""
+    m = GroupedKVMachine()
+    m.setup(policy="lru")
+    first, other = PREFIXES[0], PREFIXES[1]
+    m.allocate(prefix=first, tail=[], salt=None)
+    m.kv.free(0)
+    del m.tokens[0]
+    for prefix, tail in ((other, [0] * 7), (first, [0] * 8), (first, [0, 0, 1, 0, 0, 0, 0, 0]),
+                         (PREFIXES[2], [0] * 4), (first, [0, 0, 2, 0]), (other, [])):
+        m.allocate(prefix=prefix, tail=tail, salt=None)
+        m.refcounts_equal_live_table_references()
+        m.each_group_reads_what_its_queries_need_and_the_window_holds_little()
+    last = m.kv.block_tables(m.next_id - 1)
+    assert not set(last[0]) & set(last[1])
+    m.teardown()
