@@ -16,12 +16,15 @@ pool. A group of window W frees, on `commit`, every block wholly before the wind
 token to compute (position c needs c-W+1..c), so a sequence holds at most ceil(W/B)+1 blocks
 there; freed entries read NO_BLOCK. A prefix hit of k blocks needs every full group's blocks
 0..k-1 and every window group's last ceil((W-1)/B) blocks before k. Group g > 0 registers its
-blocks under the chained hash tagged with g, so store keys and events tell groups apart.
+blocks under the chained hash tagged with g (`group_key`), so store keys and events tell groups
+apart. The tiered store holds each group's blocks under those keys; `store_plan` picks the blocks
+a store hit needs (a window group's last ceil((W-1)/B) only) and `store_hit_blocks` what a hit
+is worth once the loads landed (a failed block is recomputed, with what its window needs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.core.block_pool import BlockPool, KVEvents
@@ -31,6 +34,21 @@ from kvpool.errors import ConfigError, KVStateError, OutOfBlocks, UnknownSequenc
 NO_BLOCK = -1  # a table entry whose block a window group freed (never read: outside every window)
 CopyOp = tuple[int, int]  # (src block, dst block), device to device
 SwapMap = list[tuple[int, int]]  # (src block, dst block) across device and host
+GROUP_TAG_BYTES = 2  # a group g > 0 key is its chained hash + g in these many bytes
+
+
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The identity of layer group `group`'s block at `block_hash` (group 0: the hash itself)."""
+    return block_hash + group.to_bytes(GROUP_TAG_BYTES, "little") if group else block_hash
+
+
+@dataclass(slots=True, frozen=True)
+class StoreRange:
+    """Group `group`'s blocks [start, end) of a sequence, to come from the external store."""
+
+    group: int
+    start: int
+    end: int
 
 
 @dataclass(slots=True)
@@ -163,7 +181,7 @@ class KVCacheManager:
         self.group_windows: tuple[int | None, ...] = tuple(group_windows)
         self.num_groups = len(self.group_windows)
         self.windowed = any(w is not None for w in self.group_windows)
-        self._tags = [b""] + [g.to_bytes(2, "little") for g in range(1, self.num_groups)]
+        self._tags = [b""] + [group_key(b"", g) for g in range(1, self.num_groups)]
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -268,6 +286,76 @@ class KVCacheManager:
     def _tagged(self, hashes: Sequence[BlockHash], group: int) -> Sequence[BlockHash]:
         tag = self._tags[group]
         return [h + tag for h in hashes] if tag else hashes
+
+    def group_keys(self, hashes: Sequence[BlockHash], group: int) -> list[BlockHash]:
+        """Group `group`'s identities of the blocks named `hashes` (store keys, events)."""
+        return list(self._tagged(hashes, group))
+
+    # -- the external store ---------------------------------------------------------------
+    def store_plan(
+        self, hashes: Sequence[BlockHash], hit_blocks: int, limit: int, lookup: Callable[[Sequence[BlockHash]], int]
+    ) -> list[StoreRange]:
+        """The blocks past a device hit of `hit_blocks` to load from a store (`lookup(keys)`: how
+        many of `keys`, from the first, it holds) for the longest hit k <= `limit`: every full
+        group's blocks hit..k-1, every window group's last ceil((W-1)/B) before k (those behind
+        are never read). Empty when the store adds nothing."""
+        k = min(limit, len(hashes))
+        if k <= hit_blocks:
+            return []
+        for g, w in enumerate(self.group_windows):
+            if w is None and k > hit_blocks:
+                k = hit_blocks + lookup(self._tagged(hashes[hit_blocks:k], g))
+        settled = False
+        while not settled and k > hit_blocks:
+            settled = True
+            for g, w in enumerate(self.group_windows):
+                if w is not None:
+                    fit = self._store_window_fit(hashes, g, self._window_blocks(w), hit_blocks, k, lookup)
+                    settled, k = settled and fit == k, fit
+        if k <= hit_blocks:
+            return []
+        ranges = []
+        for g, w in enumerate(self.group_windows):
+            start = hit_blocks if w is None else max(hit_blocks, k - self._window_blocks(w))
+            if start < k:
+                ranges.append(StoreRange(g, start, k))
+        return ranges
+
+    def _store_window_fit(self, hashes: Sequence[BlockHash], group: int, need: int, hit_blocks: int, k: int,
+                          lookup: Callable[[Sequence[BlockHash]], int]) -> int:
+        """The largest k' <= k whose window blocks past the device hit the store holds."""
+        while k > hit_blocks:
+            start = max(hit_blocks, k - need)
+            run = lookup(self._tagged(hashes[start:k], group))
+            if run >= k - start:
+                return k
+            k = start + run  # every window over the missing block start+run fails: stop before it
+        return k
+
+    def store_hit_blocks(self, hit_blocks: int, landed: Sequence[tuple[StoreRange, int]]) -> int:
+        """What a store hit is worth once its loads landed (`landed`: each range and how many of
+        its blocks, from the first, were read whole): the largest k from which every group has
+        what a query at k*B reads, the device hit's `hit_blocks` at least."""
+        k = max((r.end for r, _ in landed), default=hit_blocks)
+        settled = False
+        while not settled:
+            settled = True
+            for r, n in landed:
+                if r.start == hit_blocks:
+                    fit = min(k, r.start + n)  # contiguous with the device hit: good up to its first miss
+                elif n >= r.end - r.start and k >= r.end:
+                    fit = k  # a window group's last blocks, whole, for a hit at their end
+                else:
+                    fit = hit_blocks  # a gap behind them: only the device hit's window is whole
+                settled, k = settled and fit == k, min(k, fit)
+        return k
+
+    def drop_behind(self, seq_id: int, num_computed_tokens: int) -> None:
+        """A store hit settled at `num_computed_tokens`: free the window groups' blocks behind
+        its window now, unregistered (those the store did not fill hold no KV)."""
+        seq = self.seq(seq_id)
+        if self.windowed and not seq.on_host:
+            self._free_behind(seq, num_computed_tokens)
 
     def blocks_needed(self, num_tokens: int, hit: PrefixHit) -> int:
         """New blocks an `allocate` of `num_tokens` with this prefix hit takes from the free pool
