@@ -299,8 +299,10 @@ def _damage(engine: Engine, tier: str, tmp_path: Path, request, group: int, inde
 
 
 @pytest.mark.parametrize(("name", "tier", "layerwise"), [
-    ("gemma3", "host", True), ("gemma3", "disk", False), ("gemma3", "disk", True),
-    ("qwen2-swa", "disk", True), ("gemma3", "redis", True),
+    ("gemma3", "host", True), ("gemma3", "disk", True), ("gemma3", "redis", True),
+    pytest.param("gemma3", "disk", False, marks=pytest.mark.slow),
+    pytest.param("qwen2-swa", "disk", True, marks=pytest.mark.slow),
+    pytest.param("qwen2-swa", "host", False, marks=pytest.mark.slow),
 ])
 def test_a_layer_grouped_model_serves_its_prefix_from_each_store_tier(name, tier, layerwise, tmp_path,
                                                                       tmp_path_factory, request):
@@ -323,6 +325,11 @@ def test_a_layer_grouped_model_serves_its_prefix_from_each_store_tier(name, tier
     assert kv.num_groups == 2 and kv.group_windows == (None, WINDOW)
     (first,) = run_all(writer, [STORE_PROMPT], params)
     assert first.outputs[0].token_ids == expected
+
+    def same_as_computed(out) -> bool:  # tokens, and their logprobs as when every block was computed
+        got, want = out.outputs[0], first.outputs[0]
+        return got.token_ids == expected and abs(got.cumulative_logprob - want.cumulative_logprob) <= 1e-4
+
     writer.kv_store.store.flush()
     if tier == "host":  # the tier lives in this process: drop the device copy instead of restarting
         reader = writer
@@ -332,7 +339,7 @@ def test_a_layer_grouped_model_serves_its_prefix_from_each_store_tier(name, tier
         reader = engine_with_store()
     blocks, window_blocks = (len(STORE_PROMPT) - 1) // 4, -(-(WINDOW - 1) // 4)
     (again,) = run_all(reader, [STORE_PROMPT], params)
-    assert again.outputs[0].token_ids == expected
+    assert same_as_computed(again)
     assert reader.scheduler.num_external_hit_tokens == 4 * blocks
     assert reader.kv_store.loaded_blocks == blocks + window_blocks  # one full group, one window group
     if layerwise:
@@ -346,7 +353,7 @@ def test_a_layer_grouped_model_serves_its_prefix_from_each_store_tier(name, tier
         _damage(reader, tier, tmp_path, request, group, index)
         damaged = engine_with_store()
         (out,) = run_all(damaged, [STORE_PROMPT], params)
-        assert out.outputs[0].token_ids == expected
+        assert same_as_computed(out)
         assert sum(damaged.kv_store.store.stats()[t.name].bad_entries.get("checksum", 0)
                    for t in damaged.kv_store.store.tiers) == 1
         assert damaged.scheduler.num_external_hit_tokens < 4 * blocks
