@@ -210,15 +210,23 @@ class KVCacheManager:
         seq = self.seq(seq_id)
         return [len(t) - d for t, d in zip(seq.tables, seq.dead, strict=True)]
 
-    def max_blocks(self, prompt_len: int, total_len: int) -> int:
+    def max_blocks(self, prompt_len: int, total_len: int, chunk: int | None = None) -> int:
         """The most blocks a sequence of `prompt_len` prompt tokens growing to `total_len` ever
-        holds at once, over all groups: a window group takes the whole prompt at admission, then
-        at most ceil((W-1)/B) + 2 (the window, the block being written, one appended early)."""
+        holds at once, over all groups. A window group takes the whole prompt at admission, or,
+        allocated per prefill chunk of at most `chunk` tokens (`allocate(upto=...)`, `reserve`),
+        the chunk and the window behind it; then at most ceil((W-1)/B) + 2 while decoding (the
+        window, the block being written, one appended early)."""
         B = self.block_size
         full = -(-total_len // B)
         n = 0
         for w in self.group_windows:
-            n += full if w is None else min(full, max(-(-prompt_len // B), -(-(w - 1) // B) + 2))
+            if w is None:
+                n += full
+                continue
+            prefill = -(-prompt_len // B)
+            if chunk is not None:
+                prefill = min(prefill, (w - 1 + chunk) // B + 2)
+            n += min(full, max(prefill, -(-(w - 1) // B) + 2))
         return n
 
     def last_block_shared(self, seq_id: int) -> bool:
@@ -357,11 +365,49 @@ class KVCacheManager:
         if self.windowed and not seq.on_host:
             self._free_behind(seq, num_computed_tokens)
 
-    def blocks_needed(self, num_tokens: int, hit: PrefixHit) -> int:
-        """New blocks an `allocate` of `num_tokens` with this prefix hit takes from the free pool
-        (cached hit blocks that are evictable leave the free pool too)."""
-        hit_blocks = hit.num_tokens // self.block_size if self.windowed or self.num_groups > 1 else len(hit.block_ids)
-        return self.num_groups * (-(-num_tokens // self.block_size) - hit_blocks) + hit.idle_blocks
+    def blocks_needed(self, num_tokens: int, hit: PrefixHit, upto: int | None = None) -> int:
+        """New blocks an `allocate` of `num_tokens` with this prefix hit (and `upto`) takes from
+        the free pool (cached hit blocks that are evictable leave the free pool too)."""
+        B = self.block_size
+        hit_blocks = hit.num_tokens // B if self.windowed or self.num_groups > 1 else len(hit.block_ids)
+        total = -(-num_tokens // B)
+        windowed = -(-self._window_end(num_tokens, hit.num_tokens, upto) // B)
+        new = sum((total if w is None else windowed) - hit_blocks for w in self.group_windows)
+        return new + hit.idle_blocks
+
+    def _window_end(self, num_tokens: int, cached: int, upto: int | None) -> int:
+        """The tokens a window group's table covers at admission: whole blocks up to `upto` (at
+        least one past the hit), or all of them."""
+        if upto is None or not self.windowed:
+            return num_tokens
+        B = self.block_size
+        return min(num_tokens, -(-max(upto, cached + 1) // B) * B)
+
+    def window_blocks_needed(self, seq_id: int, end: int) -> int:
+        """New blocks `reserve(seq_id, end)` takes: the window groups' blocks up to token `end`
+        not allocated yet."""
+        seq = self.seq(seq_id)
+        hi = -(-min(end, seq.num_tokens) // self.block_size)
+        return sum(max(0, hi - len(t)) for t, w in zip(seq.tables, self.group_windows, strict=True) if w is not None)
+
+    def reserve(self, seq_id: int, end: int) -> None:
+        """Give the window groups slots up to token `end` (the end of the prefill chunk about to
+        run): a sequence allocated with `upto` holds window blocks only for the chunks so far,
+        and those behind the window are freed as chunks commit."""
+        need = self.window_blocks_needed(seq_id, end)
+        if not need:
+            return
+        if need > self.pool.num_free:
+            raise OutOfBlocks(f"sequence {seq_id} needs {need} KV blocks for its next chunk, "
+                              f"only {self.pool.num_free} are free")
+        seq = self.seqs[seq_id]
+        if seq.on_host:
+            raise KVStateError(f"sequence {seq_id} is swapped out; swap it in first")
+        B = self.block_size
+        hi = -(-min(end, seq.num_tokens) // B)
+        for t, w in zip(seq.tables, self.group_windows, strict=True):
+            if w is not None and len(t) < hi:  # the blocks so far are full: only the last can be partial
+                t.extend(self.pool.allocate(hi - len(t), min(seq.num_tokens, hi * B) - len(t) * B))
 
     def append_blocks_needed(self, seq_id: int, num_new_tokens: int = 1) -> int:
         seq = self.seq(seq_id)
@@ -396,11 +442,14 @@ class KVCacheManager:
         cache_salt: str | None = None,
         block_hashes: Sequence[BlockHash] | None = None,
         hit: PrefixHit | None = None,
+        upto: int | None = None,
     ) -> int:
         """Give a new sequence slots for all of `token_ids`, reusing the longest cached
         prefix. Returns the number of tokens whose KV is already there (cached). `hit` is
         `match_prefix(block_hashes, len(token_ids))` when the caller has just taken it, with no
-        change to this manager since (it saves walking a long prompt twice)."""
+        change to this manager since (it saves walking a long prompt twice). With `upto`, window
+        groups get slots only up to that token (rounded up to a block; `reserve` adds the rest
+        chunk by chunk)."""
         if seq_id in self.seqs:
             raise KVStateError(f"sequence {seq_id} is already allocated")
         num_tokens = len(token_ids)
@@ -410,7 +459,7 @@ class KVCacheManager:
             block_hashes = self.prompt_hashes(token_ids, cache_salt) if self.enable_prefix_caching else []
         if hit is None:
             hit = self.match_prefix(block_hashes, num_tokens)
-        need = self.blocks_needed(num_tokens, hit)
+        need = self.blocks_needed(num_tokens, hit, upto)
         if need > self.pool.num_free:
             raise OutOfBlocks(
                 f"sequence {seq_id} needs {need} KV blocks for {num_tokens} tokens, "
@@ -418,13 +467,15 @@ class KVCacheManager:
             )
         B = self.block_size
         num_hit = hit.num_tokens // B
-        tables = []
-        for hit_ids in hit.tables if self.num_groups > 1 or self.windowed else (hit.block_ids,):
-            live = [b for b in hit_ids if b != NO_BLOCK] if self.windowed else hit_ids
-            self.pool.incref_all(live)
-            tables.append(list(hit_ids) + self.pool.allocate(-(-num_tokens // B) - num_hit, num_tokens - num_hit * B))
-        while len(tables) < self.num_groups:  # no hit: the other groups start empty
-            tables.append(self.pool.allocate(-(-num_tokens // B), num_tokens))
+        window_end = self._window_end(num_tokens, hit.num_tokens, upto)
+        ends = [num_tokens if w is None else window_end for w in self.group_windows]
+        hits = hit.tables if self.num_groups > 1 or self.windowed else (hit.block_ids,)
+        for hit_ids in hits:  # every group's hit first: a new block must not evict another group's
+            self.pool.incref_all([b for b in hit_ids if b != NO_BLOCK] if self.windowed else hit_ids)
+        tables = [list(hit_ids) + self.pool.allocate(-(-end // B) - num_hit, end - num_hit * B)
+                  for hit_ids, end in zip(hits, ends)]
+        for end in ends[len(tables):]:  # no hit: the other groups start empty
+            tables.append(self.pool.allocate(-(-end // B), end))
         dead = [t.count(NO_BLOCK) for t in tables] if self.windowed else None
         self.seqs[seq_id] = SeqBlocks(
             tables[0], num_tokens, cache_salt, list(block_hashes), num_hit, tables=tables, dead=dead or []
