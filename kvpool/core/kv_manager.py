@@ -473,7 +473,7 @@ class KVCacheManager:
         for hit_ids in hits:  # every group's hit first: a new block must not evict another group's
             self.pool.incref_all([b for b in hit_ids if b != NO_BLOCK] if self.windowed else hit_ids)
         tables = [list(hit_ids) + self.pool.allocate(-(-end // B) - num_hit, end - num_hit * B)
-                  for hit_ids, end in zip(hits, ends)]
+                  for hit_ids, end in zip(hits, ends[: len(hits)], strict=True)]
         for end in ends[len(tables):]:  # no hit: the other groups start empty
             tables.append(self.pool.allocate(-(-end // B), end))
         dead = [t.count(NO_BLOCK) for t in tables] if self.windowed else None
