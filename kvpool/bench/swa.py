@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--out", type=Path, default=Path("bench-out/swa.json"))
-    p.add_argument("--png", type=Path, default=Path("bench-out/swa.png"))
+    p.add_argument("--png", type=Path, default=Path("bench-out/swa.png"), help="write the capacity and tokens/s plot here")
 
 
 def _model_path(arg: str | None) -> str:
