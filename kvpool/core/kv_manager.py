@@ -16,12 +16,15 @@ pool. A group of window W frees, on `commit`, every block wholly before the wind
 token to compute (position c needs c-W+1..c), so a sequence holds at most ceil(W/B)+1 blocks
 there; freed entries read NO_BLOCK. A prefix hit of k blocks needs every full group's blocks
 0..k-1 and every window group's last ceil((W-1)/B) blocks before k. Group g > 0 registers its
-blocks under the chained hash tagged with g, so store keys and events tell groups apart.
+blocks under the chained hash tagged with g (`group_key`), so store keys and events tell groups
+apart. The tiered store holds each group's blocks under those keys; `store_plan` picks the blocks
+a store hit needs (a window group's last ceil((W-1)/B) only) and `store_hit_blocks` what a hit
+is worth once the loads landed (a failed block is recomputed, with what its window needs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.core.block_pool import BlockPool, KVEvents
@@ -31,6 +34,21 @@ from kvpool.errors import ConfigError, KVStateError, OutOfBlocks, UnknownSequenc
 NO_BLOCK = -1  # a table entry whose block a window group freed (never read: outside every window)
 CopyOp = tuple[int, int]  # (src block, dst block), device to device
 SwapMap = list[tuple[int, int]]  # (src block, dst block) across device and host
+GROUP_TAG_BYTES = 2  # a group g > 0 key is its chained hash + g in these many bytes
+
+
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The identity of layer group `group`'s block at `block_hash` (group 0: the hash itself)."""
+    return block_hash + group.to_bytes(GROUP_TAG_BYTES, "little") if group else block_hash
+
+
+@dataclass(slots=True, frozen=True)
+class StoreRange:
+    """Group `group`'s blocks [start, end) of a sequence, to come from the external store."""
+
+    group: int
+    start: int
+    end: int
 
 
 @dataclass(slots=True)
@@ -163,7 +181,7 @@ class KVCacheManager:
         self.group_windows: tuple[int | None, ...] = tuple(group_windows)
         self.num_groups = len(self.group_windows)
         self.windowed = any(w is not None for w in self.group_windows)
-        self._tags = [b""] + [g.to_bytes(2, "little") for g in range(1, self.num_groups)]
+        self._tags = [b""] + [group_key(b"", g) for g in range(1, self.num_groups)]
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -192,15 +210,23 @@ class KVCacheManager:
         seq = self.seq(seq_id)
         return [len(t) - d for t, d in zip(seq.tables, seq.dead, strict=True)]
 
-    def max_blocks(self, prompt_len: int, total_len: int) -> int:
+    def max_blocks(self, prompt_len: int, total_len: int, chunk: int | None = None) -> int:
         """The most blocks a sequence of `prompt_len` prompt tokens growing to `total_len` ever
-        holds at once, over all groups: a window group takes the whole prompt at admission, then
-        at most ceil((W-1)/B) + 2 (the window, the block being written, one appended early)."""
+        holds at once, over all groups. A window group takes the whole prompt at admission, or,
+        allocated per prefill chunk of at most `chunk` tokens (`allocate(upto=...)`, `reserve`),
+        the chunk and the window behind it; then at most ceil((W-1)/B) + 2 while decoding (the
+        window, the block being written, one appended early)."""
         B = self.block_size
         full = -(-total_len // B)
         n = 0
         for w in self.group_windows:
-            n += full if w is None else min(full, max(-(-prompt_len // B), -(-(w - 1) // B) + 2))
+            if w is None:
+                n += full
+                continue
+            prefill = -(-prompt_len // B)
+            if chunk is not None:
+                prefill = min(prefill, (w - 1 + chunk) // B + 2)
+            n += min(full, max(prefill, -(-(w - 1) // B) + 2))
         return n
 
     def last_block_shared(self, seq_id: int) -> bool:
@@ -269,11 +295,119 @@ class KVCacheManager:
         tag = self._tags[group]
         return [h + tag for h in hashes] if tag else hashes
 
-    def blocks_needed(self, num_tokens: int, hit: PrefixHit) -> int:
-        """New blocks an `allocate` of `num_tokens` with this prefix hit takes from the free pool
-        (cached hit blocks that are evictable leave the free pool too)."""
-        hit_blocks = hit.num_tokens // self.block_size if self.windowed or self.num_groups > 1 else len(hit.block_ids)
-        return self.num_groups * (-(-num_tokens // self.block_size) - hit_blocks) + hit.idle_blocks
+    def group_keys(self, hashes: Sequence[BlockHash], group: int) -> list[BlockHash]:
+        """Group `group`'s identities of the blocks named `hashes` (store keys, events)."""
+        return list(self._tagged(hashes, group))
+
+    # -- the external store ---------------------------------------------------------------
+    def store_plan(
+        self, hashes: Sequence[BlockHash], hit_blocks: int, limit: int, lookup: Callable[[Sequence[BlockHash]], int]
+    ) -> list[StoreRange]:
+        """The blocks past a device hit of `hit_blocks` to load from a store (`lookup(keys)`: how
+        many of `keys`, from the first, it holds) for the longest hit k <= `limit`: every full
+        group's blocks hit..k-1, every window group's last ceil((W-1)/B) before k (those behind
+        are never read). Empty when the store adds nothing."""
+        k = min(limit, len(hashes))
+        if k <= hit_blocks:
+            return []
+        for g, w in enumerate(self.group_windows):
+            if w is None and k > hit_blocks:
+                k = hit_blocks + lookup(self._tagged(hashes[hit_blocks:k], g))
+        settled = False
+        while not settled and k > hit_blocks:
+            settled = True
+            for g, w in enumerate(self.group_windows):
+                if w is not None:
+                    fit = self._store_window_fit(hashes, g, self._window_blocks(w), hit_blocks, k, lookup)
+                    settled, k = settled and fit == k, fit
+        if k <= hit_blocks:
+            return []
+        ranges = []
+        for g, w in enumerate(self.group_windows):
+            start = hit_blocks if w is None else max(hit_blocks, k - self._window_blocks(w))
+            if start < k:
+                ranges.append(StoreRange(g, start, k))
+        return ranges
+
+    def _store_window_fit(self, hashes: Sequence[BlockHash], group: int, need: int, hit_blocks: int, k: int,
+                          lookup: Callable[[Sequence[BlockHash]], int]) -> int:
+        """The largest k' <= k whose window blocks past the device hit the store holds."""
+        while k > hit_blocks:
+            start = max(hit_blocks, k - need)
+            run = lookup(self._tagged(hashes[start:k], group))
+            if run >= k - start:
+                return k
+            k = start + run  # every window over the missing block start+run fails: stop before it
+        return k
+
+    def store_hit_blocks(self, hit_blocks: int, landed: Sequence[tuple[StoreRange, int]]) -> int:
+        """What a store hit is worth once its loads landed (`landed`: each range and how many of
+        its blocks, from the first, were read whole): the largest k from which every group has
+        what a query at k*B reads, the device hit's `hit_blocks` at least."""
+        k = max((r.end for r, _ in landed), default=hit_blocks)
+        settled = False
+        while not settled:
+            settled = True
+            for r, n in landed:
+                if r.start == hit_blocks:
+                    fit = min(k, r.start + n)  # contiguous with the device hit: good up to its first miss
+                elif n >= r.end - r.start and k >= r.end:
+                    fit = k  # a window group's last blocks, whole, for a hit at their end
+                else:
+                    fit = hit_blocks  # a gap behind them: only the device hit's window is whole
+                settled, k = settled and fit == k, min(k, fit)
+        return k
+
+    def drop_behind(self, seq_id: int, num_computed_tokens: int) -> None:
+        """A store hit settled at `num_computed_tokens`: free the window groups' blocks behind
+        its window now, unregistered (those the store did not fill hold no KV)."""
+        seq = self.seq(seq_id)
+        if self.windowed and not seq.on_host:
+            self._free_behind(seq, num_computed_tokens)
+
+    def blocks_needed(self, num_tokens: int, hit: PrefixHit, upto: int | None = None) -> int:
+        """New blocks an `allocate` of `num_tokens` with this prefix hit (and `upto`) takes from
+        the free pool (cached hit blocks that are evictable leave the free pool too)."""
+        B = self.block_size
+        hit_blocks = hit.num_tokens // B if self.windowed or self.num_groups > 1 else len(hit.block_ids)
+        total = -(-num_tokens // B)
+        windowed = -(-self._window_end(num_tokens, hit.num_tokens, upto) // B)
+        new = sum((total if w is None else windowed) - hit_blocks for w in self.group_windows)
+        return new + hit.idle_blocks
+
+    def _window_end(self, num_tokens: int, cached: int, upto: int | None) -> int:
+        """The tokens a window group's table covers at admission: whole blocks up to `upto` (at
+        least one past the hit), or all of them."""
+        if upto is None or not self.windowed:
+            return num_tokens
+        B = self.block_size
+        return min(num_tokens, -(-max(upto, cached + 1) // B) * B)
+
+    def window_blocks_needed(self, seq_id: int, end: int) -> int:
+        """New blocks `reserve(seq_id, end)` takes: the window groups' blocks up to token `end`
+        not allocated yet."""
+        seq = self.seq(seq_id)
+        hi = -(-min(end, seq.num_tokens) // self.block_size)
+        return sum(max(0, hi - len(t)) for t, w in zip(seq.tables, self.group_windows, strict=True) if w is not None)
+
+    def reserve(self, seq_id: int, end: int) -> None:
+        """Give the window groups slots up to token `end` (the end of the prefill chunk about to
+        run): a sequence allocated with `upto` holds window blocks only for the chunks so far,
+        and those behind the window are freed as chunks commit."""
+        need = self.window_blocks_needed(seq_id, end)
+        if not need:
+            return
+        if need > self.pool.num_free:
+            raise OutOfBlocks(f"sequence {seq_id} needs {need} KV blocks for its next chunk, "
+                              f"only {self.pool.num_free} are free")
+        seq = self.seqs[seq_id]
+        if seq.on_host:
+            raise KVStateError(f"sequence {seq_id} is swapped out; swap it in first")
+        B = self.block_size
+        hi = -(-min(end, seq.num_tokens) // B)
+        for t, w in zip(seq.tables, self.group_windows, strict=True):
+            if w is not None and len(t) < hi:  # the blocks so far are full: only the last can be partial
+                t.extend(self.pool.allocate(hi - len(t), min(seq.num_tokens, hi * B) - len(t) * B))
 
     def append_blocks_needed(self, seq_id: int, num_new_tokens: int = 1) -> int:
         seq = self.seq(seq_id)
@@ -308,11 +442,14 @@ class KVCacheManager:
         cache_salt: str | None = None,
         block_hashes: Sequence[BlockHash] | None = None,
         hit: PrefixHit | None = None,
+        upto: int | None = None,
     ) -> int:
         """Give a new sequence slots for all of `token_ids`, reusing the longest cached
         prefix. Returns the number of tokens whose KV is already there (cached). `hit` is
         `match_prefix(block_hashes, len(token_ids))` when the caller has just taken it, with no
-        change to this manager since (it saves walking a long prompt twice)."""
+        change to this manager since (it saves walking a long prompt twice). With `upto`, window
+        groups get slots only up to that token (rounded up to a block; `reserve` adds the rest
+        chunk by chunk)."""
         if seq_id in self.seqs:
             raise KVStateError(f"sequence {seq_id} is already allocated")
         num_tokens = len(token_ids)
@@ -322,7 +459,7 @@ class KVCacheManager:
             block_hashes = self.prompt_hashes(token_ids, cache_salt) if self.enable_prefix_caching else []
         if hit is None:
             hit = self.match_prefix(block_hashes, num_tokens)
-        need = self.blocks_needed(num_tokens, hit)
+        need = self.blocks_needed(num_tokens, hit, upto)
         if need > self.pool.num_free:
             raise OutOfBlocks(
                 f"sequence {seq_id} needs {need} KV blocks for {num_tokens} tokens, "
@@ -330,15 +467,15 @@ class KVCacheManager:
             )
         B = self.block_size
         num_hit = hit.num_tokens // B
-        hit_tables = hit.tables if self.num_groups > 1 or self.windowed else (hit.block_ids,)
-        # Every group's hit blocks are referenced before any group allocates: an allocation may
-        # evict an idle cached block, and it must not be one another group's hit is about to use.
-        for hit_ids in hit_tables:
+        window_end = self._window_end(num_tokens, hit.num_tokens, upto)
+        ends = [num_tokens if w is None else window_end for w in self.group_windows]
+        hits = hit.tables if self.num_groups > 1 or self.windowed else (hit.block_ids,)
+        for hit_ids in hits:  # every group's hit first: a new block must not evict another group's
             self.pool.incref_all([b for b in hit_ids if b != NO_BLOCK] if self.windowed else hit_ids)
-        tables = [list(hit_ids) + self.pool.allocate(-(-num_tokens // B) - num_hit, num_tokens - num_hit * B)
-                  for hit_ids in hit_tables]
-        while len(tables) < self.num_groups:  # no hit: the other groups start empty
-            tables.append(self.pool.allocate(-(-num_tokens // B), num_tokens))
+        tables = [list(hit_ids) + self.pool.allocate(-(-end // B) - num_hit, end - num_hit * B)
+                  for hit_ids, end in zip(hits, ends[: len(hits)], strict=True)]
+        for end in ends[len(tables):]:  # no hit: the other groups start empty
+            tables.append(self.pool.allocate(-(-end // B), end))
         dead = [t.count(NO_BLOCK) for t in tables] if self.windowed else None
         self.seqs[seq_id] = SeqBlocks(
             tables[0], num_tokens, cache_salt, list(block_hashes), num_hit, tables=tables, dead=dead or []

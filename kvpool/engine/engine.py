@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvpool.core.block_pool import KVEvents
-from kvpool.core.layer_groups import group_layers
+from kvpool.core.layer_groups import LayerGroups, group_layers
 from kvpool.engine.config import EngineConfig, available_host_memory, resolve_kv_dtype
 from kvpool.engine.controls import Controls, best_of
 from kvpool.engine.kv_io import KVStoreConnector
@@ -84,10 +84,7 @@ class Engine:
             raise InvalidRequest(f"swap_space {config.swap_space} holds no KV block ({per_block} bytes)")
         self.block_size = config.block_size
         self.namespace = f"{self.loaded.name}/{config.dtype}/{config.block_size}" + self._kv_suffix()
-        if groups.num_groups > 1 and self._store_configured():
-            raise ConfigError("the tiered KV store (--kv-host-memory / --kv-disk-path / --kv-remote) does not hold "
-                              "layer-grouped blocks yet: serve this sliding-window model with --no-swa-freeing")
-        store = self._make_store()
+        store = self._make_store(groups)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
@@ -132,7 +129,9 @@ class Engine:
         c = self.config
         return parse_bytes(c.kv_host_memory, "kv_host_memory") > 0 or bool(c.kv_disk_path) or bool(c.kv_remote)
 
-    def _make_store(self):
+    def _make_store(self, groups: LayerGroups):
+        """The tiered store, if configured; a layer-grouped model's blocks hold one group's layers
+        (each group's under its own key), in a namespace of their own."""
         c, m = self.config, self.loaded.config
         if not self._store_configured():
             return None
@@ -146,8 +145,8 @@ class Engine:
             parse_bytes(c.kv_host_memory, "kv_host_memory"), c.kv_disk_path, parse_bytes(c.kv_disk_size, "kv_disk_size"),
             c.kv_remote, c.kv_write_policy,
             block_namespace(self.loaded.name, c.dtype + self._kv_suffix(), c.block_size, m.num_layers,
-                            m.num_kv_heads, m.head_dim),
-            block_shape(m.num_layers, c.block_size, m.num_kv_heads, width), np_dtype, c.eviction_policy,
+                            m.num_kv_heads, m.head_dim, groups.windows if groups.num_groups > 1 else ()),
+            block_shape(groups.group_size, c.block_size, m.num_kv_heads, width), np_dtype, c.eviction_policy,
             disk_codec=c.kv_disk_codec, remote_codec=c.kv_remote_codec,
         )
 

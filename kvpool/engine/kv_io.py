@@ -25,12 +25,14 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from kvpool.core.block_pool import KVEvents
 from kvpool.core.hashing import BlockHash
+from kvpool.core.kv_manager import NO_BLOCK
 from kvpool.engine.layerwise import LayerwiseWriter
 from kvpool.engine.runner import ModelRunner
 from kvpool.sched.layerwise import LayerwisePlan, plan_layerwise
@@ -126,10 +128,16 @@ class KVStoreConnector:
         for load, blocks in staged:
             ids = load.block_ids[: len(blocks)]
             table = self._table(load, len(blocks))
-            if table == ids:
-                (now if out.is_empty or copied.intersection(ids) else layered).append((load, blocks))
-            elif table is not None and table == [swapped.get(b) for b in ids]:
-                now.append((load, blocks))  # before the swap-out copies them to the host
+            if table is None:
+                continue
+            kept = _still_held(ids, table)
+            if kept is not None:
+                load, blocks = _only(load, blocks, kept)
+                (now if out.is_empty or copied.intersection(load.block_ids) else layered).append((load, blocks))
+                continue
+            kept = _still_held([swapped.get(b, NO_BLOCK) for b in ids], table)
+            if kept is not None:
+                now.append(_only(load, blocks, kept))  # before the swap-out copies them to the host
         if now:
             plan, blocks = self._plan(now)
             self._write(plan.block_ids, blocks)
@@ -143,16 +151,18 @@ class KVStoreConnector:
         self._writer.start()
 
     def _plan(self, staged: list[tuple[KVLoad, list[np.ndarray]]]) -> tuple[LayerwisePlan, list[np.ndarray]]:
-        plan = plan_layerwise([load for load, _ in staged], [len(b) for _, b in staged], len(self.runner.kv_slots))
+        groups = self.runner.groups
+        plan = plan_layerwise([load for load, _ in staged], [len(b) for _, b in staged], len(self.runner.kv_slots),
+                              groups.layer_slot if groups.num_groups > 1 else ())
         return plan, [staged[w.load][1][w.index] for w in plan.writes]
 
     def _table(self, load: KVLoad, n: int) -> list[int] | None:
-        """The blocks the load's sequence holds now where its first `n` blocks were planned (None
-        if the sequence is gone)."""
+        """The blocks the load's sequence holds now where its first `n` blocks were planned, in
+        the load's layer group (None if the sequence is gone)."""
         kv = self.scheduler.kv
         if not kv.has_seq(load.seq.seq_id):
             return None
-        return kv.block_table(load.seq.seq_id)[load.start_block : load.start_block + n]
+        return kv.block_tables(load.seq.seq_id)[load.layer_group][load.start_block : load.start_block + n]
 
     def after_update(self, events: KVEvents) -> None:
         """Write-through: save the blocks whose KV this step computed (not the ones it loaded)."""
@@ -183,9 +193,8 @@ class KVStoreConnector:
         self.load_stall_s += time.perf_counter() - start
 
     def _write_layer(self, layer: int, ids: torch.Tensor, blocks: list[np.ndarray]) -> None:
-        """Layer `layer`'s K and V of each stored block `[L, 2, B, H, D]` into device blocks `ids`
-        (a block holds its layer group's layers: every layer when the model is one group, the
-        only case the store loads)."""
+        """Block layer `layer`'s K and V of each stored block `[L, 2, B, H, D]` into device blocks
+        `ids` (a block holds its layer group's L layers, in the group_size shared slots)."""
         k, v = self.runner.kv_slots[layer]
         data = _from_store(torch.from_numpy(np.stack([b[layer] for b in blocks])), k.dtype)  # [n, 2, B, H, D]
         data = data.to(k.device, k.dtype, non_blocking=True)
@@ -204,6 +213,24 @@ class KVStoreConnector:
         for (h, _), block in zip(items, data, strict=True):
             self.store.save_async(h, block)
         self.saved_blocks += len(items)
+
+
+def _still_held(ids: list[int], table: list[int]) -> list[int] | None:
+    """Which of the planned blocks `ids` the sequence still holds (`table`), or None if it holds
+    another block anywhere (its blocks were taken back). A window group may have freed leading
+    ones since (its hit settled short of the plan): those are left out, not written."""
+    kept = [j for j, t in enumerate(table) if t != NO_BLOCK]
+    if not kept or any(table[j] != ids[j] for j in kept):
+        return None
+    return kept
+
+
+def _only(load: KVLoad, blocks: list[np.ndarray], kept: list[int]) -> tuple[KVLoad, list[np.ndarray]]:
+    """The load and its blocks narrowed to the indices `kept`."""
+    if len(kept) == len(blocks):
+        return load, blocks
+    return replace(load, block_ids=[load.block_ids[j] for j in kept], hashes=[load.hashes[j] for j in kept]), \
+        [blocks[j] for j in kept]
 
 
 def _to_store(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 sets an event per layer; the model's per-layer hook waits for layer l before computing it, so
 writing layer l+1 overlaps computing layer l. On CUDA the writes run on a side stream and the
 hook makes the compute stream wait for that layer's CUDA event (the host does not block on
-the GPU).
+the GPU). A layer-grouped model's blocks hold one group's layers: the thread writes block layer
+j (layer j of every group) and model layer l waits for its own (`LayerwisePlan.slot_of`).
 
 `trace` records, in order, ("loaded", l) when layer l has landed and ("compute", l) when the
 forward passes the hook of layer l: the ordering the tests check.
@@ -46,17 +47,18 @@ class LayerwiseWriter:
 
     def wait(self, layer: int) -> None:
         """The model's hook before it computes `layer`: returns once that layer's KV has landed."""
-        if layer < len(self._ready):
+        slot = self.plan.slot_of(layer)
+        if slot is not None and slot < len(self._ready):
             start = time.perf_counter()
-            self._ready[layer].wait()
+            self._ready[slot].wait()
             self.stall_s += time.perf_counter() - start
             if self._error is not None:
-                raise LayerwiseLoadError(f"writing layer {layer} of {self.plan.num_blocks} store blocks "
+                raise LayerwiseLoadError(f"writing layer {slot} of {self.plan.num_blocks} store blocks "
                                          f"failed: {self._error}") from self._error
-            event = self._cuda_events[layer]
+            event = self._cuda_events[slot]
             if event is not None:
                 torch.cuda.current_stream(self._device).wait_event(event)
-            self._waited = layer + 1
+            self._waited = max(self._waited, slot + 1)
         self.trace.append(("compute", layer))
 
     def join(self, check_waited: bool = True) -> None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from kvpool.core.kv_manager import KVCacheManager
-from kvpool.sched.output import ExternalLookup, KVLoad, SchedulerOutput
-from kvpool.sched.request import SeqStatus, SequenceGroup
+from kvpool.core.hashing import BlockHash
+from kvpool.core.kv_manager import KVCacheManager, PrefixHit, StoreRange
+from kvpool.sched.output import ExternalLookup, KVLoad, SchedulerOutput, StoreHit
+from kvpool.sched.request import SeqStatus, Sequence, SequenceGroup
 
 if TYPE_CHECKING:
     from kvpool.sched.scheduler import SchedulerConfig
@@ -28,44 +29,78 @@ class Admission:
 
     def _admit(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
         """Allocate blocks for every live sequence of a waiting group, all or nothing; blocks
-        beyond the device prefix hit that the external store holds are loaded, not computed."""
+        beyond the device prefix hit that the external store holds are loaded, not computed. A
+        window group gets blocks only up to the first chunk (`_window_upto`); the scheduler
+        reserves each later chunk's as it runs."""
         kv = self.kv
+        B = self.config.block_size
         plans = []
         need = 0
         for seq in group.live_seqs:
             hashes = group.prompt_hashes if len(seq.token_ids) == seq.prompt_len else None
             if hashes is None:
                 hashes = kv.prompt_hashes(seq.token_ids, group.cache_salt) if self.config.enable_prefix_caching else []
-            # prompt logprobs need every prompt position computed: no prefix hit (recompute)
-            hit = kv.match_prefix([] if group.params.prompt_logprobs is not None else hashes, len(seq.token_ids))
-            need += kv.blocks_needed(len(seq.token_ids), hit)
-            plans.append((seq, hashes, hit))
+            hit = self._match(group, seq, hashes)
+            ranges = self._store_ranges(group, seq, hashes, hit.num_tokens // B)
+            seq_need = kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges))
+            if ranges and seq_need > kv.pool.num_blocks - self._watermark_blocks:
+                ranges = []  # the hit's window groups alone would never fit: compute instead
+                seq_need = kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges))
+            need += seq_need
+            plans.append((seq, hashes, hit, ranges))
         if need > kv.num_free_blocks - self._watermark_blocks:
             return False
-        B = self.config.block_size
-        for i, (seq, hashes, hit) in enumerate(plans):
-            # the first allocation may reuse its match; it may change what the others match
-            cached = kv.allocate(seq.seq_id, seq.token_ids, group.cache_salt, hashes, hit if i == 0 else None)
-            hit_blocks = cached // B
-            limit = (len(seq.token_ids) - 1) // B
-            external = 0
-            # one group's table only: a layer-grouped model computes what the device misses
-            if self.external_kv is not None and hit_blocks < min(limit, len(hashes)) \
-                    and group.params.prompt_logprobs is None and kv.num_groups == 1:
-                external = self.external_kv(hashes[hit_blocks:limit])
-            if external:
-                table = kv.block_table(seq.seq_id)
-                load_id = next(self._load_ids)
-                out.kv_loads.append(KVLoad(load_id, group, seq, hit_blocks,
-                                           list(hashes[hit_blocks : hit_blocks + external]),
-                                           table[hit_blocks : hit_blocks + external]))
-                group.pending_kv_loads.add(load_id)
-                self.num_external_hit_tokens += external * B
+        for i, (seq, hashes, hit, ranges) in enumerate(plans):
+            if i > 0:  # the allocations before may have changed what this one matches
+                planned, hit = hit.num_tokens, self._match(group, seq, hashes)
+                if hit.num_tokens != planned:
+                    ranges = self._store_ranges(group, seq, hashes, hit.num_tokens // B)
+            cached = kv.allocate(seq.seq_id, seq.token_ids, group.cache_salt, hashes, hit,
+                                 upto=self._window_upto(hit, ranges))
+            external = self._plan_store_loads(group, seq, hashes, cached // B, ranges, out)
             seq.num_computed_tokens = cached + external * B
             seq.status = SeqStatus.RUNNING
             if group.num_preemptions == 0:
                 group.num_cached_prompt_tokens = seq.num_computed_tokens
         return True
+
+    def _match(self, group: SequenceGroup, seq: Sequence, hashes: list[BlockHash]) -> PrefixHit:
+        # prompt logprobs need every prompt position computed: no prefix hit (recompute)
+        return self.kv.match_prefix([] if group.params.prompt_logprobs is not None else hashes, len(seq.token_ids))
+
+    def _store_ranges(self, group: SequenceGroup, seq: Sequence, hashes: list[BlockHash],
+                      hit_blocks: int) -> list[StoreRange]:
+        """What the external store adds past a device hit of `hit_blocks`, per layer group."""
+        if self.external_kv is None or group.params.prompt_logprobs is not None:
+            return []
+        limit = (len(seq.token_ids) - 1) // self.config.block_size
+        return self.kv.store_plan(hashes, hit_blocks, limit, self.external_kv)
+
+    def _window_upto(self, hit: PrefixHit, ranges: list[StoreRange]) -> int | None:
+        """Where a new sequence's window groups stop at admission: the first prefill chunk past
+        its hit (device and store). None (the whole prompt) without chunked prefill."""
+        if not self.kv.windowed or not self.config.enable_chunked_prefill:
+            return None
+        start = ranges[0].end * self.config.block_size if ranges else hit.num_tokens
+        return start + self.config.max_num_batched_tokens
+
+    def _plan_store_loads(self, group: SequenceGroup, seq: Sequence, hashes: list[BlockHash], hit_blocks: int,
+                          ranges: list[StoreRange], out: SchedulerOutput) -> int:
+        """Plan the loads of the store's blocks past the device hit (per layer group: a window
+        group loads only the blocks its window reads); returns the blocks the hit gains."""
+        if not ranges:
+            return 0
+        kv = self.kv
+        tables = kv.block_tables(seq.seq_id)
+        shared = StoreHit(hit_blocks, len(ranges)) if kv.num_groups > 1 else None
+        for r in ranges:
+            load_id = next(self._load_ids)
+            out.kv_loads.append(KVLoad(load_id, group, seq, r.start, kv.group_keys(hashes[r.start : r.end], r.group),
+                                       tables[r.group][r.start : r.end], r.group, shared))
+            group.pending_kv_loads.add(load_id)
+        gained = ranges[0].end - hit_blocks
+        self.num_external_hit_tokens += gained * self.config.block_size
+        return gained
 
     def _unadmit(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         out.kv_loads = [ld for ld in out.kv_loads if ld.group is not group]
@@ -82,14 +117,30 @@ class Admission:
         if load.load_id not in load.group.pending_kv_loads or not self.kv.has_seq(seq.seq_id):
             return False
         end = load.start_block + len(load.block_ids)
-        return self.kv.block_table(seq.seq_id)[load.start_block : end] == load.block_ids
+        return self.kv.block_tables(seq.seq_id)[load.layer_group][load.start_block : end] == load.block_ids
 
     def finish_kv_load(self, load: KVLoad, num_loaded: int) -> None:
-        """A planned load landed with its first `num_loaded` blocks; the rest is computed."""
+        """A planned load landed with its first `num_loaded` blocks; the rest is computed. A
+        layer-grouped sequence's hit settles with its last load: at the point every group has
+        what its queries read, the window groups' blocks behind it freed."""
         load.group.pending_kv_loads.discard(load.load_id)
-        if num_loaded < len(load.hashes):
-            position = (load.start_block + num_loaded) * self.config.block_size
-            load.seq.num_computed_tokens = min(load.seq.num_computed_tokens, position)
-            self.num_external_hit_tokens -= (len(load.hashes) - num_loaded) * self.config.block_size
-            if load.group.num_preemptions == 0:  # usage reports what was reused, not what was planned
-                load.group.num_cached_prompt_tokens = min(load.group.num_cached_prompt_tokens, position)
+        B = self.config.block_size
+        hit = load.store_hit
+        if hit is None:
+            if num_loaded < len(load.hashes):
+                self._settle_store_hit(load, (load.start_block + num_loaded) * B)
+            return
+        hit.landed.append((StoreRange(load.layer_group, load.start_block, load.start_block + len(load.hashes)),
+                           num_loaded))
+        if len(hit.landed) == hit.num_loads:
+            position = self.kv.store_hit_blocks(hit.hit_blocks, hit.landed) * B
+            if position < load.seq.num_computed_tokens:
+                self._settle_store_hit(load, position)
+            self.kv.drop_behind(load.seq.seq_id, load.seq.num_computed_tokens)
+
+    def _settle_store_hit(self, load: KVLoad, position: int) -> None:
+        """The sequence's store hit ends at `position`: compute from there."""
+        self.num_external_hit_tokens -= load.seq.num_computed_tokens - position
+        load.seq.num_computed_tokens = position
+        if load.group.num_preemptions == 0:  # usage reports what was reused, not what was planned
+            load.group.num_cached_prompt_tokens = min(load.group.num_cached_prompt_tokens, position)

@@ -1,7 +1,7 @@
 """Layer-wise loading of store hits, the pure part: what lands in the device cache layer by layer
 during a step, and what that overlap is worth.
 
-A store block holds every layer's K/V under one CRC, so a block is known good only once it is
+A store block holds every layer's K/V (a layer group's, for a layer-grouped model) under one CRC, so a block is known good only once it is
 read whole. The plan is therefore made from blocks already read and checked (`landed`: how many
 of each `KVLoad`'s blocks did): the scheduler has already been told how many tokens are cached
 (`finish_kv_load`), and the forward pass only waits, before layer l, for layer l of those blocks
@@ -35,7 +35,8 @@ class LayerwisePlan:
     computes layer l once layer l's K and V of every write has landed."""
 
     writes: tuple[BlockWrite, ...]
-    num_layers: int
+    num_layers: int  # the layers a block holds: a layer group's, when the model has several
+    layer_slot: tuple[int, ...] = ()  # model layer -> the block layer it reads (empty: the same index)
 
     @property
     def num_blocks(self) -> int:
@@ -49,20 +50,31 @@ class LayerwisePlan:
         """The order the loader writes (and signals) layers in: the order the forward needs them."""
         return range(self.num_layers if self.writes else 0)
 
+    def slot_of(self, layer: int) -> int | None:
+        """The block layer that model layer `layer` reads (None: none of this plan's). With layer
+        groups, block layer j holds layer j of every group, so writing it serves all of them."""
+        if self.layer_slot:
+            return self.layer_slot[layer] if layer < len(self.layer_slot) else None
+        return layer if layer < self.num_layers else None
 
-def plan_layerwise(loads: Sequence[KVLoad], landed: Sequence[int], num_layers: int) -> LayerwisePlan:
+
+def plan_layerwise(loads: Sequence[KVLoad], landed: Sequence[int], num_layers: int,
+                   layer_slot: Sequence[int] = ()) -> LayerwisePlan:
     """The writes of the loads whose first `landed[i]` blocks were read and checked; the blocks
-    after a load's first failure are left out (their tokens are recomputed)."""
+    after a load's first failure are left out (their tokens are recomputed). A layer-grouped
+    model's blocks hold `num_layers` layers of one group; `layer_slot[l]` is model layer l's."""
     if len(loads) != len(landed):
         raise ConfigError(f"{len(loads)} loads but {len(landed)} landed counts")
     if num_layers < 1:
         raise ConfigError(f"num_layers must be >= 1, got {num_layers}")
+    if any(not 0 <= j < num_layers for j in layer_slot):
+        raise ConfigError(f"layer slots {tuple(layer_slot)} name a block layer outside 0..{num_layers - 1}")
     writes = []
     for i, (load, n) in enumerate(zip(loads, landed, strict=True)):
         if not 0 <= n <= len(load.block_ids):
             raise ConfigError(f"load {load.load_id} landed {n} blocks of {len(load.block_ids)}")
         writes += [BlockWrite(i, j, load.block_ids[j]) for j in range(n)]
-    return LayerwisePlan(tuple(writes), num_layers)
+    return LayerwisePlan(tuple(writes), num_layers, tuple(layer_slot))
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from kvpool.core.hashing import BlockHash
-from kvpool.core.kv_manager import CopyOp, SwapMap
+from kvpool.core.kv_manager import CopyOp, StoreRange, SwapMap
 from kvpool.sched.request import Sequence, SequenceGroup
 
 
@@ -30,8 +30,9 @@ class ScheduledSeq:
 @dataclass(slots=True)
 class KVLoad:
     """Blocks of `seq` to fill from the external KV store: `block_ids[i]` receives the block
-    named `hashes[i]`; they cover tokens [start_block*B, ...). The group computes nothing
-    until the driver reports the load back (`finish_kv_load`), so the I/O overlaps a step."""
+    named `hashes[i]`; they cover tokens [start_block*B, ...) of layer group `layer_group`. The
+    group computes nothing until the driver reports the load back (`finish_kv_load`), so the I/O
+    overlaps a step."""
 
     load_id: int
     group: SequenceGroup
@@ -39,6 +40,19 @@ class KVLoad:
     start_block: int
     hashes: list[BlockHash]
     block_ids: list[int]
+    layer_group: int = 0  # whose table `block_ids` are in; `hashes` are that group's keys
+    store_hit: StoreHit | None = None  # a layer-grouped model's: the sequence's loads across groups
+
+
+@dataclass(slots=True)
+class StoreHit:
+    """One sequence's store hit over several layer groups (one `KVLoad` each): each reports
+    here how many blocks landed; with the last, what the hit is worth is settled
+    (`KVCacheManager.store_hit_blocks`)."""
+
+    hit_blocks: int  # the device prefix hit it extends
+    num_loads: int
+    landed: list[tuple[StoreRange, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

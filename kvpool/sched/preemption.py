@@ -27,20 +27,27 @@ class Preemption:
     num_swapped_blocks: int
 
     def _reserve_decode_slots(
-        self, group: SequenceGroup, live: list[Sequence], out: SchedulerOutput, may_preempt: bool = True
+        self, group: SequenceGroup, live: list[Sequence], out: SchedulerOutput, may_preempt: bool = True,
+        wanted: list[int] | None = None,
     ) -> bool:
-        """Give every live sequence of `group` a slot for its newest token, preempting the
-        latest-arrived running groups while blocks are short. False when `group` itself was
-        preempted, or when blocks are short and preempting is not allowed."""
+        """Give every live sequence of `group` a slot for its newest token, and its window groups
+        the blocks of the prefill chunk it computes now (`wanted[i]` tokens of `live[i]`),
+        preempting the latest-arrived running groups while blocks are short. False when `group`
+        itself was preempted, or when blocks are short and preempting is not allowed."""
         kv = self.kv
         entry = kv.seq
-        extras = []
-        for s in live:
+        extras, chunks = [], []
+        for i, s in enumerate(live):
             n = len(s.token_ids) - entry(s.seq_id).num_tokens
             if n:
                 extras.append((s.seq_id, n))
-        while extras:
+            elif kv.windowed and wanted is not None and wanted[i]:  # a prefill chunk
+                end = s.num_computed_tokens + wanted[i]
+                if kv.window_blocks_needed(s.seq_id, end):
+                    chunks.append((s.seq_id, end))
+        while extras or chunks:
             need = sum(kv.append_blocks_needed(sid, n) for sid, n in extras)
+            need += sum(kv.window_blocks_needed(sid, end) for sid, end in chunks)
             if need <= kv.num_free_blocks:
                 break
             if not may_preempt:
@@ -51,6 +58,8 @@ class Preemption:
                 return False
         for sid, n in extras:
             out.copies.extend(kv.append_slots(sid, n))
+        for sid, end in chunks:
+            kv.reserve(sid, end)
         return True
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:

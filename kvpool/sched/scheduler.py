@@ -125,7 +125,8 @@ class Scheduler(Admission, Preemption, Stops):
                 param="max_tokens" if prompt_len < self.config.max_model_len else "prompt",
             )
         width = group.params.num_samples
-        blocks = width * self.kv.max_blocks(prompt_len, total)
+        chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else None
+        blocks = width * self.kv.max_blocks(prompt_len, total, chunk)
         if blocks > self.config.num_blocks:
             raise InvalidRequest(
                 f"request needs up to {blocks} KV blocks but the cache has only {self.config.num_blocks}",
@@ -178,7 +179,7 @@ class Scheduler(Admission, Preemption, Stops):
             need = self._tokens_wanted(live, budget)
             if need is None or num_seqs + len(live) > max_seqs:
                 break
-            if not self._reserve_decode_slots(group, live, out):
+            if not self._reserve_decode_slots(group, live, out, wanted=need):
                 break  # the group preempted itself: every later one is gone too
             budget -= self._emit(group, live, need, out)
             num_seqs += len(live)
@@ -189,12 +190,16 @@ class Scheduler(Admission, Preemption, Stops):
             group = self.swapped[0]
             live = group.live_seqs
             seq_ids = [s.seq_id for s in live]
-            # each sequence's next token takes at most one block (a new one or a CoW copy)
-            need_blocks = self.kv.num_swap_in_blocks(seq_ids) + len(seq_ids) * self.kv.num_groups
-            if need_blocks > self.kv.num_free_blocks - self._watermark_blocks:
-                return
             need = self._tokens_wanted(live, budget)
             if need is None or num_seqs + len(live) > max_seqs:
+                return
+            # each sequence's next token takes at most one block (a new one or a CoW copy); a
+            # prefill chunk, its window groups' blocks
+            need_blocks = self.kv.num_swap_in_blocks(seq_ids) + len(seq_ids) * self.kv.num_groups
+            if self.kv.windowed:
+                need_blocks += sum(self.kv.window_blocks_needed(s.seq_id, s.num_computed_tokens + n)
+                                   for s, n in zip(live, need, strict=True) if n)
+            if need_blocks > self.kv.num_free_blocks - self._watermark_blocks:
                 return
             self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(seq_ids))
@@ -202,7 +207,7 @@ class Scheduler(Admission, Preemption, Stops):
             for seq in live:
                 seq.status = SeqStatus.RUNNING
             running.append(group)
-            reserved = self._reserve_decode_slots(group, live, out, may_preempt=False)
+            reserved = self._reserve_decode_slots(group, live, out, may_preempt=False, wanted=need)
             assert reserved, "swap-in admitted a group whose next tokens do not fit"
             budget -= self._emit(group, live, need, out)
             num_seqs += len(live)

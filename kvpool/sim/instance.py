@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpool.core.hashing import BlockHash
-from kvpool.core.kv_manager import KVCacheManager
+from kvpool.core.kv_manager import KVCacheManager, group_key
 from kvpool.costs.cost_model import CostModel, StepBatch
 from kvpool.errors import ConfigError
 from kvpool.sched.beam import beam_candidates
@@ -71,9 +71,11 @@ class SimStore:
         """How many of `hashes`, from the first, the tier holds (the scheduler's ExternalLookup)."""
         return len(self.blocks.match_prefix(hashes, len(hashes) * self.blocks.block_size + 1).block_ids)
 
-    def put(self, hashes: Sequence[BlockHash]) -> int:
-        """Store blocks (a save or a pool write); returns how many were written."""
-        return write_blocks(self.blocks, hashes)
+    def put(self, hashes: Sequence[BlockHash], num_layer_groups: int = 1) -> int:
+        """Store blocks (a save or a pool write); returns how many were written. A layer-grouped
+        model's store holds each group's copy of a block under its own key (`group_key`), as the
+        engine's does: `num_layer_groups` of them per hash."""
+        return write_blocks(self.blocks, [group_key(h, g) for g in range(num_layer_groups) for h in hashes])
 
 
 @dataclass(slots=True)
@@ -197,14 +199,17 @@ class SimInstance:
     def _plan_loads(self, out: SchedulerOutput, batch: StepBatch) -> None:
         """Cost the step's store loads on the store's tier (they land when the step ends)."""
         assert self.store is not None, "the scheduler planned loads without a store"
-        n = sum(len(ld.hashes) for ld in out.kv_loads)
+        loaded = sum(len(ld.hashes) for ld in out.kv_loads)
+        # a layer-grouped model's block holds 1/G of the layers the cost model's block does
+        groups = self.sched.kv.num_groups
+        n = -(-loaded // groups)
         if self.store.tier == "host":
             batch.blocks_from_host = n
         elif self.store.tier == "disk":
             batch.blocks_from_disk = n
         else:
             batch.blocks_from_remote = n
-        self.counters.loaded_blocks += n
+        self.counters.loaded_blocks += loaded
 
     def decode_run(self, now: float, until: float) -> Iterator[StepResult]:
         """Plain decode steps (`kvpool.sched.decode_batch`) from `now` while each starts before

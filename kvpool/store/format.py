@@ -1,7 +1,7 @@
 """The on-wire / on-disk format of one KV block: a fixed header plus the (encoded) tensor bytes.
 
 A block is all layers' K and V for `block_size` tokens, `[num_layers, 2, block_size,
-num_kv_heads, head_dim]` contiguous, stored as ONE value so a reader never sees half a block.
+num_kv_heads, head_dim]` contiguous (a layer-grouped model's: one group's layers), stored as ONE value so a reader never sees half a block.
 The header names the namespace (model + dtype + layout) so two models never read each
 other's KV, and the block's own identity (its chained hash), so a value stored under another
 block's key (files swapped on disk, values swapped in a pool) is refused, not served. It names
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -44,10 +45,13 @@ class CorruptBlock(KVPoolError):
 
 
 def block_namespace(
-    model: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int
+    model: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+    group_windows: Sequence[int | None] = (),
 ) -> str:
-    """The namespace of a model's KV blocks: everything that changes their bytes."""
-    return f"{model}|{dtype}|bs{block_size}|L{num_layers}xKV{num_kv_heads}xD{head_dim}"
+    """The namespace of a model's KV blocks: everything that changes their bytes. A layer-grouped
+    model's (`group_windows`, kvpool/core/layer_groups.py) hold one group's layers per block."""
+    groups = "|G" + ",".join("full" if w is None else str(w) for w in group_windows) if group_windows else ""
+    return f"{model}|{dtype}|bs{block_size}|L{num_layers}xKV{num_kv_heads}xD{head_dim}{groups}"
 
 
 def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 
 from kvpool.core.hashing import BlockHash
+from kvpool.core.kv_manager import GROUP_TAG_BYTES
 from kvpool.errors import ConfigError
 from kvpool.store.codec import get_codec
 from kvpool.store.format import (
@@ -83,7 +84,8 @@ class TieredKVStore:
         # The format version is in the key, so servers of two versions sharing a pool never
         # read (and delete) each other's blocks.
         self._prefix = f"kv{FORMAT_VERSION}:{namespace_id(namespace)}:"
-        limit = max_encoded_size(namespace, bytes(16), self.block_shape, self.dtype)
+        # the longest identity: a chained hash tagged with its layer group
+        limit = max_encoded_size(namespace, bytes(16 + GROUP_TAG_BYTES), self.block_shape, self.dtype)
         for tier in self.tiers:
             tier.max_value_bytes = limit
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore")

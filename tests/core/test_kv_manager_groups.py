@@ -74,6 +74,36 @@ class GroupedKVMachine(RuleBasedStateMachine):
         self.kv.commit(sid, toks, len(toks))
         self._learn(toks, salt)
 
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 9), max_size=9),
+          chunk=st.integers(1, 7))
+    def allocate_by_chunks(self, prefix, tail, chunk):
+        """Chunked prefill: window blocks only for the chunk and the window behind it, reserved
+        chunk by chunk (freed behind as each commits); all or nothing per chunk."""
+        toks = prefix + tail
+        sid, self.next_id = self.next_id, self.next_id + 1
+        hit = self.kv.match_prefix(self.kv.prompt_hashes(toks), len(toks))
+        try:
+            pos = self.kv.allocate(sid, toks, hit=hit, block_hashes=self.kv.prompt_hashes(toks),
+                                   upto=hit.num_tokens + chunk)
+        except OutOfBlocks:
+            return
+        self.tokens[sid] = toks
+        self._learn(toks, None)
+        while pos < len(toks):
+            end = min(len(toks), pos + chunk)
+            free_before = self.kv.num_free_blocks
+            try:
+                self.kv.reserve(sid, end)
+            except OutOfBlocks:
+                assert self.kv.num_free_blocks == free_before  # nothing taken
+                self.kv.free(sid)
+                del self.tokens[sid]
+                return
+            self._write(sid, pos, end)
+            assert self.kv.blocks_held(sid)[1] <= (W - 1 + chunk) // B + 2
+            self.kv.commit(sid, toks, end)
+            pos = end
+
     @precondition(lambda self: self._device_seqs())
     @rule(data=st.data(), n=st.integers(1, 6))
     def append(self, data, n):

@@ -263,13 +263,100 @@ def test_bf16_and_fp16_safetensors_load_as_their_float32_values(tmp_path):
         assert (PagedSequence(ours).step(PROMPTS[1]) - _hf_logits(ref, PROMPTS[1])).abs().max() <= 1e-4
 
 
-def test_a_layer_grouped_model_refuses_the_tiered_store_by_name(tmp_path_factory):
-    """The store does not hold per-group blocks yet: a windowed model with SWA freeing and a
-    store is refused with the flag that serves it, never run with a store that cannot load."""
-    _, path, ours, _ = _build("gemma3", tmp_path_factory)
-    with pytest.raises(ConfigError, match="--no-swa-freeing"):
-        Engine(EngineConfig(model=str(path), dtype="float32", block_size=4, num_blocks=12,
-                            kv_host_memory="16MiB"), loaded=ours)
-    engine = Engine(EngineConfig(model=str(path), dtype="float32", block_size=4, num_blocks=12,
-                                 kv_host_memory="16MiB", swa_freeing=False), loaded=ours)
-    assert engine.kv_store is not None and engine.scheduler.kv.num_groups == 1
+STORE_PROMPT = PROMPTS[0]  # 38 tokens: 9 reusable blocks of 4; the window (12) reads the last 3
+
+
+def _store_options(tier: str, tmp_path: Path, request) -> dict:
+    if tier == "host":
+        return {"kv_host_memory": "16MiB"}
+    if tier == "disk":
+        return {"kv_disk_path": str(tmp_path), "kv_disk_size": "64MiB"}
+    import redis
+
+    port = request.getfixturevalue("redis_server").port
+    redis.Redis(port=port, db=3).flushdb()  # this test's own database: nothing left by an earlier one
+    return {"kv_remote": f"redis://127.0.0.1:{port}/3"}
+
+
+def _damage(engine: Engine, tier: str, tmp_path: Path, request, group: int, index: int) -> None:
+    """Flip a bit in the middle of group `group`'s stored block `index` of STORE_PROMPT."""
+    kv = engine.scheduler.kv
+    key = engine.kv_store.store.key(kv.group_keys(kv.prompt_hashes(STORE_PROMPT), group)[index])
+    if tier == "disk":
+        from kvpool.store.disk import SUBDIR
+
+        f = tmp_path / SUBDIR / (key.encode().hex() + ".kvb")
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        f.write_bytes(bytes(data))
+    else:
+        import redis
+
+        raw = redis.Redis(port=request.getfixturevalue("redis_server").port, db=3)
+        data = bytearray(raw.get(key))
+        data[len(data) // 2] ^= 0x10
+        raw.set(key, bytes(data))
+
+
+@pytest.mark.parametrize(("name", "tier", "layerwise"), [
+    ("gemma3", "host", True), ("gemma3", "disk", True), ("gemma3", "redis", True),
+    pytest.param("gemma3", "disk", False, marks=pytest.mark.slow),
+    pytest.param("qwen2-swa", "disk", True, marks=pytest.mark.slow),
+    pytest.param("qwen2-swa", "host", False, marks=pytest.mark.slow),
+])
+def test_a_layer_grouped_model_serves_its_prefix_from_each_store_tier(name, tier, layerwise, tmp_path,
+                                                                      tmp_path_factory, request):
+    """SWA freeing on and a store tier: a prefix whose device copy is gone comes back from the
+    tier, every full group's blocks and each window group's last ceil((W-1)/B) only, and greedy
+    output equals HF's; a corrupted block is recomputed (its CRC fails), still HF's tokens, and
+    no block leaks."""
+    _, path, ours, hf = _build(name, tmp_path_factory)
+    expected = _hf_greedy(hf, STORE_PROMPT)
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
+
+    options = _store_options(tier, tmp_path, request)
+
+    def engine_with_store() -> Engine:
+        return Engine(EngineConfig(model=str(path), dtype="float32", block_size=4, num_blocks=40,
+                                   max_num_batched_tokens=16, kv_layerwise_load=layerwise, **options), loaded=ours)
+
+    writer = engine_with_store()
+    kv = writer.scheduler.kv
+    assert kv.num_groups == 2 and kv.group_windows == (None, WINDOW)
+    (first,) = run_all(writer, [STORE_PROMPT], params)
+    assert first.outputs[0].token_ids == expected
+
+    def same_as_computed(out) -> bool:  # tokens, and their logprobs as when every block was computed
+        got, want = out.outputs[0], first.outputs[0]
+        return got.token_ids == expected and abs(got.cumulative_logprob - want.cumulative_logprob) <= 1e-4
+
+    writer.kv_store.store.flush()
+    if tier == "host":  # the tier lives in this process: drop the device copy instead of restarting
+        reader = writer
+        kv.reset_prefix_cache()
+    else:
+        writer.close()
+        reader = engine_with_store()
+    blocks, window_blocks = (len(STORE_PROMPT) - 1) // 4, -(-(WINDOW - 1) // 4)
+    (again,) = run_all(reader, [STORE_PROMPT], params)
+    assert same_as_computed(again)
+    assert reader.scheduler.num_external_hit_tokens == 4 * blocks
+    assert reader.kv_store.loaded_blocks == blocks + window_blocks  # one full group, one window group
+    if layerwise:
+        assert reader.kv_store.last_layerwise is not None
+    assert_no_leak(reader)
+    reader.close()
+    if tier == "host":
+        return
+    for group, index in ((1, blocks - 1), (0, 2)):  # a window group's block, then a full group's
+        reader.kv_store.store.flush()
+        _damage(reader, tier, tmp_path, request, group, index)
+        damaged = engine_with_store()
+        (out,) = run_all(damaged, [STORE_PROMPT], params)
+        assert same_as_computed(out)
+        assert sum(damaged.kv_store.store.stats()[t.name].bad_entries.get("checksum", 0)
+                   for t in damaged.kv_store.store.tiers) == 1
+        assert damaged.scheduler.num_external_hit_tokens < 4 * blocks
+        assert_no_leak(damaged)
+        damaged.close()
+        reader = damaged

@@ -176,3 +176,38 @@ def test_live_seqs_is_a_copy_callers_may_iterate_while_the_group_changes():
     d.s.kv.allocate(g.seqs[0].seq_id, g.seqs[0].token_ids)
     d.s.fork(g, g.seqs[0])
     assert len(live) == 1 and len(g.live_seqs) == 2
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_window_groups_take_blocks_chunk_by_chunk_and_outputs_equal_ample_memory(mode):
+    """A window group gets blocks for the prefill chunk and the window behind it, not the whole
+    prompt: prompts whose every block would not fit at once are served in a small pool, with
+    preemption, and give the tokens an ample pool gives."""
+    W, B, chunk = 8, 4, 8
+
+    def workload(num_blocks: int) -> tuple[dict, Driver, int]:
+        d = Driver(num_blocks=num_blocks, block_size=B, max_num_batched_tokens=chunk, preemption_mode=mode,
+                   num_host_blocks=512, kv_group_windows=(None, W), max_model_len=256)
+        for i, p in enumerate(make_prompts(8)):
+            d.add(f"r{i}", p, max_tokens=10 + i, arrival=i)
+        kv, most, results = d.s.kv, 0, {}
+        for _ in range(20_000):
+            if not d.s.has_unfinished():
+                break
+            out = d.s.schedule()
+            for s in out.scheduled:
+                assert s.start == s.seq.num_computed_tokens
+                most = max(most, kv.blocks_held(s.seq.seq_id)[1])
+            for g in d.s.postprocess(out, [draw(x) for x in out.sampling]):
+                results[g.request_id] = [x.output_ids for x in g.seqs]
+        assert not d.s.has_unfinished(), "the scheduler made no progress"
+        assert not kv.seqs and kv.num_free_blocks == num_blocks
+        return results, d, most
+
+    ample, _, _ = workload(4096)
+    tight, d, most = workload(48)
+    assert most <= (W - 1 + chunk) // B + 2
+    longest = max(len(p) for p in make_prompts(8))
+    assert d.s.kv.max_blocks(longest, longest) > 48  # every block of its prompt at once would not fit
+    assert d.s.num_preemptions >= 1
+    assert tight == ample
