@@ -26,7 +26,7 @@
 
 namespace {
 
-constexpr int64_t kTile = 16;       // key positions per tile
+constexpr int64_t kTile = 32;       // key positions per tile (one online-softmax step)
 constexpr int64_t kRowsTarget = 16;  // query rows (tokens x group) a unit aims for
 constexpr int64_t kMinSplit = 256;   // never split a context into parts shorter than this
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -127,7 +127,7 @@ void dequant_row(const char* src, KV kv, int64_t d, float* dst) {
 }
 
 // Byte offsets in the caches of key positions t0 .. t0 + n - 1 of one sequence and KV head.
-inline void tile_offsets(const Problem& p, const int64_t* table, int64_t kvh, int64_t t0, int64_t n, int64_t* off) {
+__attribute__((always_inline)) inline void tile_offsets(const Problem& p, const int64_t* table, int64_t kvh, int64_t t0, int64_t n, int64_t* off) {
   const int64_t w = p.kv_width, row = p.kv_heads * w;
   const int64_t elem = p.kv == KV::kF32 ? 4 : p.kv == KV::kBF16 ? 2 : 1;
   int64_t b = t0 / p.block_size, o = t0 % p.block_size;
@@ -161,7 +161,7 @@ void load_tile(const Problem& p, const int64_t* table, int64_t kvh, int64_t k0, 
 
 // Per-thread buffers, kept between calls (no allocation in the parallel region once warm).
 struct Scratch {
-  std::vector<float> q, k, v, zero, w, alpha, scores, local;
+  std::vector<float> q, k, v, zero, w, alpha, lsum, scores, local;
   std::vector<uint16_t> qb;
   void fit(int64_t rows, int64_t d, int64_t part) {
     q.resize(rows * d);
@@ -171,6 +171,7 @@ struct Scratch {
     zero.assign(d, 0.f);
     w.resize(rows * kTile);
     alpha.resize(rows);
+    lsum.resize(rows * 16);
     scores.resize(kTile);
     local.resize(part);
   }
@@ -266,6 +267,26 @@ void run_item_scalar(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Sc
 }
 
 #ifdef __AVX512F__
+// The caches are mostly cold (a step's 30 layers apart): rows are asked for one tile ahead.
+inline void prefetch_rows(const Problem& p, const int64_t* off, int64_t n) {
+  const int64_t row_bytes = p.kv_width * (p.kv == KV::kF32 ? 4 : p.kv == KV::kBF16 ? 2 : 1);
+  const char* kc = static_cast<const char*>(p.k_cache);
+  const char* vc = static_cast<const char*>(p.v_cache);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(kc + off[i] + b, _MM_HINT_T0);
+      _mm_prefetch(vc + off[i] + b, _MM_HINT_T0);
+    }
+}
+
+// The first tile of an item, asked for while the item before it runs.
+void prefetch_item(const Problem& p, const Unit& u, int64_t k0, int64_t k1) {
+  int64_t off[kTile];
+  const int64_t n = std::min(kTile, k1 - k0);
+  tile_offsets(p, p.block_tables + u.seq * p.bt_stride, u.kvh, k0, n, off);
+  prefetch_rows(p, off, n);
+}
+
 // exp on 16 lanes for x >= -87: 2^n * poly(r), |r| <= ln2/2, degree-7 Taylor (relative error
 // < 1e-8 + rounding).
 __attribute__((always_inline)) inline __m512 exp16(__m512 x) {
@@ -332,28 +353,45 @@ __attribute__((always_inline)) inline __m512 scores16(const Scratch& sc, int64_t
   return sum16(a);
 }
 
-// One row's online-softmax step over 16 scores (lanes outside `live` ignored): updates m and l,
-// writes the 16 weights w and returns alpha, the factor on the row's previous acc.
-__attribute__((always_inline)) inline float softmax16(const Problem& p, __m512 s, __mmask16 live, float& m, float& l, float* w) {
-  if (!live) {
+// One row's online-softmax step over a tile's 32 scores s0, s1 (lanes outside live0, live1
+// ignored): updates m and the 16 partial sums of l at lsum, writes the 32 weights w and returns
+// alpha, the factor on the row's previous acc.
+__attribute__((always_inline)) inline float softmax32(const Problem& p, __m512 s0, __m512 s1, __mmask16 live0,
+                                                      __mmask16 live1, float& m, float* lsum, float* w) {
+  if (!(live0 | live1)) {
     _mm512_storeu_ps(w, _mm512_setzero_ps());
+    _mm512_storeu_ps(w + 16, _mm512_setzero_ps());
     return 1.f;
   }
-  s = _mm512_mul_ps(s, _mm512_set1_ps(p.scale));
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  s0 = _mm512_mul_ps(s0, scale);
+  s1 = _mm512_mul_ps(s1, scale);
   if (p.softcap > 0.f) {
-    alignas(64) float x[16];
-    _mm512_store_ps(x, s);
-    for (int i = 0; i < 16; ++i) x[i] = p.softcap * std::tanh(x[i] / p.softcap);
-    s = _mm512_load_ps(x);
+    alignas(64) float x[32];
+    _mm512_store_ps(x, s0);
+    _mm512_store_ps(x + 16, s1);
+    for (int i = 0; i < 32; ++i) x[i] = p.softcap * std::tanh(x[i] / p.softcap);
+    s0 = _mm512_load_ps(x);
+    s1 = _mm512_load_ps(x + 16);
   }
-  const float m_new = std::max(m, _mm512_mask_reduce_max_ps(live, s));
-  const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  const __m512 top = _mm512_max_ps(_mm512_mask_mov_ps(ninf, live0, s0), _mm512_mask_mov_ps(ninf, live1, s1));
+  const float m_new = std::max(m, _mm512_reduce_max_ps(top));
+  const float alpha = m == kNegInf ? 0.f : m == m_new ? 1.f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m - m_new)));
   // Weights below e^-80 are dropped: they change nothing and would make denormal products.
-  const __m512 diff = _mm512_sub_ps(s, _mm512_set1_ps(m_new));
-  const __mmask16 keep = live & _mm512_cmp_ps_mask(diff, _mm512_set1_ps(-80.0f), _CMP_GE_OQ);
-  const __m512 e = _mm512_maskz_mov_ps(keep, exp16(diff));
-  _mm512_storeu_ps(w, e);
-  l = l * alpha + _mm512_reduce_add_ps(e);
+  const __m512 mb = _mm512_set1_ps(m_new), floor = _mm512_set1_ps(-80.0f);
+  __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+  if (live0) {
+    const __m512 diff = _mm512_sub_ps(s0, mb);
+    e0 = _mm512_maskz_mov_ps(live0 & _mm512_cmp_ps_mask(diff, floor, _CMP_GE_OQ), exp16(diff));
+  }
+  if (live1) {
+    const __m512 diff = _mm512_sub_ps(s1, mb);
+    e1 = _mm512_maskz_mov_ps(live1 & _mm512_cmp_ps_mask(diff, floor, _CMP_GE_OQ), exp16(diff));
+  }
+  _mm512_storeu_ps(w, e0);
+  _mm512_storeu_ps(w + 16, e1);
+  _mm512_storeu_ps(lsum, _mm512_fmadd_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(alpha), _mm512_add_ps(e0, e1)));
   m = m_new;
   return alpha;
 }
@@ -455,6 +493,7 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.f);
   std::fill(acc, acc + rows * d, 0.f);
+  std::fill(sc.lsum.begin(), sc.lsum.begin() + rows * 16, 0.f);
   const int64_t* table = p.block_tables + u.seq * p.bt_stride;
   const bool in_place = BF16 || p.kv == KV::kF32;
   const char* kc = static_cast<const char*>(p.k_cache);
@@ -463,21 +502,15 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
   int64_t off[kTile];
   const char* krow[kTile];
   const char* vrow[kTile];
-  const int64_t row_bytes = p.kv_width * (p.kv == KV::kF32 ? 4 : p.kv == KV::kBF16 ? 2 : 1);
   int64_t next[kTile];
   tile_offsets(p, table, u.kvh, k0, std::min(kTile, k1 - k0), next);
   for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
     const int64_t n = std::min(kTile, k1 - t0);
     std::memcpy(off, next, sizeof(off));
-    // The caches are mostly cold (30 layers apart): ask for the next tile while this one runs.
-    if (t0 + kTile < k1) {
+    if (t0 + kTile < k1) {  // ask for the next tile while this one runs
       const int64_t nn = std::min(kTile, k1 - t0 - kTile);
       tile_offsets(p, table, u.kvh, t0 + kTile, nn, next);
-      for (int64_t i = 0; i < nn; ++i)
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          _mm_prefetch(kc + next[i] + b, _MM_HINT_T0);
-          _mm_prefetch(vc + next[i] + b, _MM_HINT_T0);
-        }
+      prefetch_rows(p, next, nn);
     }
     if (in_place) {
       for (int64_t i = 0; i < n; ++i) krow[i] = kc + off[i], vrow[i] = vc + off[i];
@@ -492,18 +525,20 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
     for (int64_t r = 0; r < rows; ++r) {
       int64_t first, last;
       live_range(p, t0, n, pos0 + r / g, first, last);
-      __mmask16 live = 0;
-      __m512 s = _mm512_setzero_ps();
+      uint32_t live = 0;
       if (first <= last) {
-        live = static_cast<__mmask16>(((1u << (last - t0 + 1)) - 1) & ~((1u << (first - t0)) - 1));
+        live = static_cast<uint32_t>(((uint64_t{1} << (last - t0 + 1)) - 1) & ~((uint64_t{1} << (first - t0)) - 1));
         ilo = std::min<int>(ilo, first - t0);
         ihi = std::max<int>(ihi, last - t0);
-        s = scores16<BF16, NC>(sc, r, krow, d);
       }
-      sc.alpha[r] = softmax16(p, s, live, m[r], l[r], sc.w.data() + r * kTile);
+      const __mmask16 live0 = static_cast<__mmask16>(live), live1 = static_cast<__mmask16>(live >> 16);
+      const __m512 s0 = live0 ? scores16<BF16, NC>(sc, r, krow, d) : _mm512_setzero_ps();
+      const __m512 s1 = live1 ? scores16<BF16, NC>(sc, r, krow + 16, d) : _mm512_setzero_ps();
+      sc.alpha[r] = softmax32(p, s0, s1, live0, live1, m[r], sc.lsum.data() + r * 16, sc.w.data() + r * kTile);
     }
     if (ilo <= ihi) pv<BF16, NC>(sc, vrow, ilo, ihi, d, rows, acc);
   }
+  for (int64_t r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lsum.data() + r * 16));
   if constexpr (BF16) unpermute_rows(acc, rows, d);
 }
 #endif
@@ -619,6 +654,9 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
       const int64_t rows = u.ntok * p.group;
       float* buf = slot[i] >= 0 ? partials.data() + slot[i] * part : sc.local.data();
       float *m = buf, *l = buf + max_rows, *acc = buf + 2 * max_rows;
+#ifdef __AVX512F__
+      if (i + 1 < end) prefetch_item(p, units[items[i + 1].unit], items[i + 1].k0, items[i + 1].k1);
+#endif
       run_item(p, u, items[i].k0, items[i].k1, sc, m, l, acc);
       if (slot[i] >= 0) continue;
       for (int64_t r = 0; r < rows; ++r)
