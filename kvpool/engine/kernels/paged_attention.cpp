@@ -411,9 +411,11 @@ inline __m512 v_lanes(const char* row, int64_t c, int half) {
 
 // acc[r] = alpha[r] * acc[r] + sum_i w[r][i] v_i for R rows at acc (stride D), keys ilo..ihi,
 // the R rows' accumulators in registers while each V row is read once.
+// `ahead` (or null): the next tile's K rows then V rows, asked for one key per step so the
+// requests spread over the loop instead of stalling in a burst.
 template <bool BF16, int NC, int R>
 inline void pv_rows(const float* w, const float* alpha, const char* const* vrow, int ilo, int ihi, int64_t d,
-                    float* acc) {
+                    float* acc, const char* const* ahead, int64_t ahead_bytes) {
   constexpr int V = BF16 ? 2 * NC : NC;  // zmm per row
   __m512 o[R][V];
   for (int r = 0; r < R; ++r) {
@@ -421,6 +423,11 @@ inline void pv_rows(const float* w, const float* alpha, const char* const* vrow,
     for (int c = 0; c < V; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * c), a);
   }
   for (int i = ilo; i <= ihi; ++i) {
+    if (ahead)
+      for (int64_t b = 0; b < ahead_bytes; b += 64) {
+        _mm_prefetch(ahead[i] + b, _MM_HINT_T0);
+        _mm_prefetch(ahead[kTile + i] + b, _MM_HINT_T0);
+      }
     __m512 x[V];
     for (int c = 0; c < V; ++c) x[c] = BF16 ? v_lanes<true>(vrow[i], c / 2, c % 2) : v_lanes<false>(vrow[i], c, 0);
     for (int r = 0; r < R; ++r) {
@@ -448,23 +455,30 @@ void pv_any(const float* w, const float* alpha, const char* const* vrow, int ilo
 
 template <bool BF16, int NC, int R>
 void pv_group(int64_t n, const float* w, const float* alpha, const char* const* vrow, int ilo, int ihi, int64_t d,
-              float* acc) {
+              float* acc, const char* const* ahead, int64_t ahead_bytes) {
   if (n == R)
-    pv_rows<BF16, NC, R>(w, alpha, vrow, ilo, ihi, d, acc);
+    pv_rows<BF16, NC, R>(w, alpha, vrow, ilo, ihi, d, acc, ahead, ahead_bytes);
   else if constexpr (R > 1)
-    pv_group<BF16, NC, R - 1>(n, w, alpha, vrow, ilo, ihi, d, acc);
+    pv_group<BF16, NC, R - 1>(n, w, alpha, vrow, ilo, ihi, d, acc, ahead, ahead_bytes);
 }
 
 template <bool BF16, int NC>
-void pv(const Scratch& sc, const char* const* vrow, int ilo, int ihi, int64_t d, int64_t rows, float* acc) {
+void pv(const Scratch& sc, const char* const* vrow, int ilo, int ihi, int64_t d, int64_t rows, float* acc,
+        const char* const* ahead, int64_t ahead_bytes) {
   if constexpr (NC == 0) {
+    if (ahead)
+      for (int i = 0; i < kTile; ++i)
+        for (int64_t b = 0; b < ahead_bytes; b += 64) {
+          _mm_prefetch(ahead[i] + b, _MM_HINT_T0);
+          _mm_prefetch(ahead[kTile + i] + b, _MM_HINT_T0);
+        }
     pv_any<BF16>(sc.w.data(), sc.alpha.data(), vrow, ilo, ihi, d, rows, acc);
   } else {
     constexpr int V = BF16 ? 2 * NC : NC;
     constexpr int R = V <= 4 ? 4 : V <= 8 ? 2 : 1;  // rows whose accumulators fit in registers
     for (int64_t r = 0; r < rows; r += R)
       pv_group<BF16, NC, R>(std::min<int64_t>(R, rows - r), sc.w.data() + r * kTile, sc.alpha.data() + r, vrow, ilo,
-                            ihi, d, acc + r * d);
+                            ihi, d, acc + r * d, r == 0 ? ahead : nullptr, ahead_bytes);
   }
 }
 
@@ -502,15 +516,21 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
   int64_t off[kTile];
   const char* krow[kTile];
   const char* vrow[kTile];
+  const int64_t row_bytes = p.kv_width * (p.kv == KV::kF32 ? 4 : p.kv == KV::kBF16 ? 2 : 1);
   int64_t next[kTile];
+  const char* ahead[2 * kTile];
   tile_offsets(p, table, u.kvh, k0, std::min(kTile, k1 - k0), next);
   for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
     const int64_t n = std::min(kTile, k1 - t0);
     std::memcpy(off, next, sizeof(off));
-    if (t0 + kTile < k1) {  // ask for the next tile while this one runs
+    const bool more = t0 + kTile < k1;
+    if (more) {  // ask for the next tile while this one runs
       const int64_t nn = std::min(kTile, k1 - t0 - kTile);
       tile_offsets(p, table, u.kvh, t0 + kTile, nn, next);
-      prefetch_rows(p, next, nn);
+      for (int64_t i = 0; i < kTile; ++i) {
+        ahead[i] = i < nn ? kc + next[i] : zero;
+        ahead[kTile + i] = i < nn ? vc + next[i] : zero;
+      }
     }
     if (in_place) {
       for (int64_t i = 0; i < n; ++i) krow[i] = kc + off[i], vrow[i] = vc + off[i];
@@ -536,7 +556,8 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
       const __m512 s1 = live1 ? scores16<BF16, NC>(sc, r, krow + 16, d) : _mm512_setzero_ps();
       sc.alpha[r] = softmax32(p, s0, s1, live0, live1, m[r], sc.lsum.data() + r * 16, sc.w.data() + r * kTile);
     }
-    if (ilo <= ihi) pv<BF16, NC>(sc, vrow, ilo, ihi, d, rows, acc);
+    if (ilo <= ihi)
+      pv<BF16, NC>(sc, vrow, ilo, ihi, d, rows, acc, more ? ahead : nullptr, row_bytes);
   }
   for (int64_t r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lsum.data() + r * 16));
   if constexpr (BF16) unpermute_rows(acc, rows, d);
