@@ -26,7 +26,7 @@
 
 namespace {
 
-constexpr int64_t kTile = 16;       // key positions per tile
+constexpr int64_t kTile = 32;       // key positions per tile (one online-softmax step)
 constexpr int64_t kRowsTarget = 16;  // query rows (tokens x group) a unit aims for
 constexpr int64_t kMinSplit = 256;   // never split a context into parts shorter than this
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -87,7 +87,20 @@ void from_float(const float* src, bool bf16, int64_t n, void* dst) {
     return;
   }
   c10::BFloat16* d = static_cast<c10::BFloat16*>(dst);
-  for (int64_t i = 0; i < n; ++i) d[i] = c10::BFloat16(src[i]);  // round to nearest even
+  int64_t i = 0;
+#ifdef __AVX512F__
+  // c10::BFloat16's rounding, 16 at a time: (bits + 0x7FFF + lsb) >> 16, NaN -> 0x7FC0.
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7FFF));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(r));
+  }
+#endif
+  for (; i < n; ++i) d[i] = c10::BFloat16(src[i]);  // round to nearest even
 }
 
 struct FP8Table {
@@ -126,34 +139,170 @@ void dequant_row(const char* src, KV kv, int64_t d, float* dst) {
   for (; i < d; ++i) dst[i] = kFP8.v[q[i]] * scale;
 }
 
+// Byte offsets in the caches of key positions t0 .. t0 + n - 1 of one sequence and KV head.
+__attribute__((always_inline)) inline void tile_offsets(const Problem& p, const int64_t* table, int64_t kvh, int64_t t0, int64_t n, int64_t* off) {
+  const int64_t w = p.kv_width, row = p.kv_heads * w;
+  const int64_t elem = p.kv == KV::kF32 ? 4 : p.kv == KV::kBF16 ? 2 : 1;
+  int64_t b = t0 / p.block_size, o = t0 % p.block_size;
+  for (int64_t i = 0; i < n; ++i) {
+    off[i] = ((table[b] * p.block_size + o) * row + kvh * w) * elem;
+    if (++o == p.block_size) {
+      o = 0;
+      ++b;
+    }
+  }
+}
+
 // K and V of key positions [k0, k0 + n) of one sequence and KV head, as fp32 rows [n][D].
 void load_tile(const Problem& p, const int64_t* table, int64_t kvh, int64_t k0, int64_t n, float* kf, float* vf) {
-  const int64_t d = p.head_dim, w = p.kv_width, row = p.kv_heads * w;
-  const int64_t elem = p.kv == KV::kF32 ? 4 : p.kv == KV::kBF16 ? 2 : 1;
+  const int64_t d = p.head_dim;
   const bool quantized = p.kv == KV::kInt8 || p.kv == KV::kFP8;
   const char* kc = static_cast<const char*>(p.k_cache);
   const char* vc = static_cast<const char*>(p.v_cache);
-  for (int64_t i = 0; i < n;) {
-    const int64_t pos = k0 + i, off = pos % p.block_size;
-    const int64_t run = std::min(p.block_size - off, n - i);
-    const int64_t base = ((table[pos / p.block_size] * p.block_size + off) * row + kvh * w) * elem;
-    for (int64_t j = 0; j < run; ++j, ++i) {
-      const int64_t at = base + j * row * elem;
-      if (quantized) {
-        dequant_row(kc + at, p.kv, d, kf + i * d);
-        dequant_row(vc + at, p.kv, d, vf + i * d);
-      } else {
-        to_float(kc + at, p.kv == KV::kBF16, d, kf + i * d);
-        to_float(vc + at, p.kv == KV::kBF16, d, vf + i * d);
-      }
+  int64_t off[kTile];
+  tile_offsets(p, table, kvh, k0, n, off);
+  for (int64_t i = 0; i < n; ++i) {
+    if (quantized) {
+      dequant_row(kc + off[i], p.kv, d, kf + i * d);
+      dequant_row(vc + off[i], p.kv, d, vf + i * d);
+    } else {
+      to_float(kc + off[i], p.kv == KV::kBF16, d, kf + i * d);
+      to_float(vc + off[i], p.kv == KV::kBF16, d, vf + i * d);
+    }
+  }
+}
+
+// Per-thread buffers, kept between calls (no allocation in the parallel region once warm).
+struct Scratch {
+  std::vector<float> q, k, v, zero, w, alpha, lsum, scores, local;
+  std::vector<uint16_t> qb;
+  void fit(int64_t rows, int64_t d, int64_t part) {
+    q.resize(rows * d);
+    qb.resize(rows * d);
+    k.resize(kTile * d);
+    v.resize(kTile * d);
+    zero.assign(d, 0.f);
+    w.resize(rows * kTile);
+    alpha.resize(rows);
+    lsum.resize(rows * 16);
+    scores.resize(kTile);
+    local.resize(part);
+  }
+};
+
+Scratch& thread_scratch(int64_t rows, int64_t d, int64_t part) {
+  thread_local Scratch s;
+  s.fit(rows, d, part);
+  return s;
+}
+
+// Query rows r = token * G + g of a unit, as fp32 (q) or as their bf16 bits (qb, bf16 queries only).
+void load_queries(const Problem& p, const Unit& u, bool bits, Scratch& sc) {
+  const int64_t d = p.head_dim, g = p.group, elem = p.q_bf16 ? 2 : 4;
+  const int64_t qstart = p.query_start[u.seq];
+  for (int64_t t = 0; t < u.ntok; ++t) {
+    const char* src = static_cast<const char*>(p.query) +
+                      ((qstart + u.tok0 + t) * p.q_stride_t + u.kvh * g * p.q_stride_h) * elem;
+    for (int64_t j = 0; j < g; ++j) {
+      const char* row = src + j * p.q_stride_h * elem;
+      if (bits)
+        std::memcpy(sc.qb.data() + (t * g + j) * d, row, d * 2);
+      else
+        to_float(row, p.q_bf16, d, sc.q.data() + (t * g + j) * d);
+    }
+  }
+}
+
+// Keys of the tile at t0 (n of them) that query position pos sees: k <= pos, pos - k < window.
+inline void live_range(const Problem& p, int64_t t0, int64_t n, int64_t pos, int64_t& first, int64_t& last) {
+  first = p.window ? std::max<int64_t>(t0, pos - p.window + 1) : t0;
+  last = std::min(t0 + n - 1, pos);  // inclusive
+}
+
+inline float dot_scalar(const float* a, const float* b, int64_t d) {
+  float s = 0.f;
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Scalar path (no AVX-512, or D not a multiple of 16). One row's online-softmax step over a tile
+// of n scores at key positions k0..: updates m, l and acc [D] with the keys it sees.
+void softmax_step(const Problem& p, const float* scores_in, int64_t k0, int64_t n, int64_t pos, const float* vf,
+                  float& m, float& l, float* acc) {
+  const int64_t d = p.head_dim;
+  int64_t first, last;
+  live_range(p, k0, n, pos, first, last);
+  if (first > last) return;
+  float s[kTile], w[kTile];
+  float tmax = kNegInf;
+  for (int64_t i = 0; i < n; ++i) {
+    float x = scores_in[i] * p.scale;
+    if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
+    const int64_t k = k0 + i;
+    s[i] = (k >= first && k <= last) ? x : kNegInf;
+    tmax = std::max(tmax, s[i]);
+  }
+  const float m_new = std::max(m, tmax);
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    // Weights below e^-80 are dropped: they change nothing and would make denormal products.
+    w[i] = (s[i] == kNegInf || s[i] - m_new < -80.f) ? 0.f : std::exp(s[i] - m_new);
+    sum += w[i];
+  }
+  for (int64_t j = 0; j < d; ++j) acc[j] *= alpha;
+  for (int64_t i = first - k0; i <= last - k0; ++i)
+    for (int64_t j = 0; j < d; ++j) acc[j] += w[i] * vf[i * d + j];
+  l = l * alpha + sum;
+  m = m_new;
+}
+
+// Rows r = token * G + g of a unit over keys [k0, k1): m, l [R] and unnormalized acc [R][D].
+void run_item_scalar(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scratch& sc, float* m, float* l,
+                     float* acc) {
+  const int64_t d = p.head_dim, g = p.group, rows = u.ntok * g;
+  const int64_t qlen = p.query_start[u.seq + 1] - p.query_start[u.seq];
+  const int64_t pos0 = p.seq_lens[u.seq] - qlen + u.tok0;  // position of the unit's first token
+  load_queries(p, u, false, sc);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.f);
+  std::fill(acc, acc + rows * d, 0.f);
+  const int64_t* table = p.block_tables + u.seq * p.bt_stride;
+  for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
+    const int64_t n = std::min(kTile, k1 - t0);
+    load_tile(p, table, u.kvh, t0, n, sc.k.data(), sc.v.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = sc.q.data() + r * d;
+      for (int64_t i = 0; i < n; ++i) sc.scores[i] = dot_scalar(qr, sc.k.data() + i * d, d);
+      softmax_step(p, sc.scores.data(), t0, n, pos0 + r / g, sc.v.data(), m[r], l[r], acc + r * d);
     }
   }
 }
 
 #ifdef __AVX512F__
+// The caches are mostly cold (a step's 30 layers apart): rows are asked for one tile ahead.
+inline void prefetch_rows(const Problem& p, const int64_t* off, int64_t n) {
+  const int64_t row_bytes = p.kv_width * (p.kv == KV::kF32 ? 4 : p.kv == KV::kBF16 ? 2 : 1);
+  const char* kc = static_cast<const char*>(p.k_cache);
+  const char* vc = static_cast<const char*>(p.v_cache);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(kc + off[i] + b, _MM_HINT_T0);
+      _mm_prefetch(vc + off[i] + b, _MM_HINT_T0);
+    }
+}
+
+// The first tile of an item, asked for while the item before it runs.
+void prefetch_item(const Problem& p, const Unit& u, int64_t k0, int64_t k1) {
+  int64_t off[kTile];
+  const int64_t n = std::min(kTile, k1 - k0);
+  tile_offsets(p, p.block_tables + u.seq * p.bt_stride, u.kvh, k0, n, off);
+  prefetch_rows(p, off, n);
+}
+
 // exp on 16 lanes for x >= -87: 2^n * poly(r), |r| <= ln2/2, degree-7 Taylor (relative error
 // < 1e-8 + rounding).
-inline __m512 exp16(__m512 x) {
+__attribute__((always_inline)) inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -170,106 +319,288 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  return _mm512_reduce_add_ps(acc);
-}
-#endif
-
-inline float dot_scalar(const float* a, const float* b, int64_t d) {
-  float s = 0.f;
-  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// One row's online-softmax step over a tile of n scores at key positions k0.. : updates m, l and
-// acc [D] with the allowed keys (k <= pos and pos - k < window).
-void softmax_step(const Problem& p, const float* scores_in, int64_t k0, int64_t n, int64_t pos, const float* vf,
-                  float& m, float& l, float* acc) {
-  const int64_t d = p.head_dim;
-  const int64_t first = p.window ? std::max<int64_t>(k0, pos - p.window + 1) : k0;
-  const int64_t last = std::min(k0 + n - 1, pos);  // inclusive
-  if (first > last) return;
-  float s[kTile], w[kTile];
-  float tmax = kNegInf;
-  for (int64_t i = 0; i < n; ++i) {
-    float x = scores_in[i] * p.scale;
-    if (p.softcap > 0.f) x = p.softcap * std::tanh(x / p.softcap);
-    const int64_t k = k0 + i;
-    s[i] = (k >= first && k <= last) ? x : kNegInf;
-    tmax = std::max(tmax, s[i]);
+// Lane i of the result = the sum of a[i]'s 16 lanes: a transpose-and-add tree (30 shuffles,
+// 15 adds for 16 sums) instead of 16 horizontal reductions.
+__attribute__((always_inline)) inline __m512 sum16(const __m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: keys 2i, 2i+1, 2i, 2i+1
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i .. 4i+3
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
-  const float m_new = std::max(m, tmax);
-  const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
-  float sum = 0.f;
-#ifdef __AVX512F__
-  const __mmask16 live = static_cast<__mmask16>(((1u << (last - k0 + 1)) - 1) & ~((1u << (first - k0)) - 1));
-  // Weights below e^-80 are dropped: they change nothing and would make denormal products.
-  const __m512 diff = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, s), _mm512_set1_ps(m_new));
-  const __mmask16 keep = live & _mm512_cmp_ps_mask(diff, _mm512_set1_ps(-80.0f), _CMP_GE_OQ);
-  const __m512 e = _mm512_maskz_mov_ps(keep, exp16(diff));
-  _mm512_storeu_ps(w, e);
-  sum = _mm512_reduce_add_ps(e);
-  if (d % 16 == 0) {
-    const __m512 a = _mm512_set1_ps(alpha);
-    for (int64_t j = 0; j < d; j += 16) {
-      __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + j), a);
-      for (int64_t i = first - k0; i <= last - k0; ++i)
-        o = _mm512_fmadd_ps(_mm512_set1_ps(w[i]), _mm512_loadu_ps(vf + i * d + j), o);
-      _mm512_storeu_ps(acc + j, o);
+  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
+// The AVX-512 path reads K/V rows in place: the fp32 cache, the bf16 cache (BF16: bf16 queries,
+// dot products by dpbf16, exact products summed in fp32), or a tile dequantized to fp32 scratch.
+// NC: D in chunks of 16 fp32 / 32 bf16 values, fixed so the query stays in registers (0: any D).
+template <bool BF16, int NC>
+__attribute__((always_inline)) inline __m512 scores16(const Scratch& sc, int64_t r, const char* const* krow, int64_t d) {
+  __m512 a[16];
+#ifdef __AVX512BF16__
+  if constexpr (BF16) {
+    const int64_t nc = NC ? NC : d / 32;
+    const uint16_t* q = sc.qb.data() + r * d;
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t c = 0; c < nc; ++c)
+        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + 32 * c), (__m512bh)_mm512_loadu_si512(krow[i] + 64 * c));
+      a[i] = s;
     }
-    l = l * alpha + sum;
-    m = m_new;
-    return;
-  }
-#else
-  for (int64_t i = 0; i < n; ++i) {
-    w[i] = s[i] == kNegInf ? 0.f : std::exp(s[i] - m_new);
-    sum += w[i];
+    return sum16(a);
   }
 #endif
-  for (int64_t j = 0; j < d; ++j) acc[j] *= alpha;
-  for (int64_t i = first - k0; i <= last - k0; ++i)
-    for (int64_t j = 0; j < d; ++j) acc[j] += w[i] * vf[i * d + j];
-  l = l * alpha + sum;
-  m = m_new;
+  const int64_t nc = NC ? NC : d / 16;
+  const float* q = sc.q.data() + r * d;
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    const float* k = reinterpret_cast<const float*>(krow[i]);
+    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    for (int64_t c = 1; c < nc; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), s);
+    a[i] = s;
+  }
+  return sum16(a);
 }
 
-struct Scratch {
-  std::vector<float> q, k, v, scores;
-  explicit Scratch(int64_t rows, int64_t d) : q(rows * d), k(kTile * d), v(kTile * d), scores(kTile) {}
-};
-
-// Rows r = token * G + g of a unit over keys [k0, k1): m, l [R] and unnormalized acc [R][D].
-void run_item(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scratch& sc, float* m, float* l, float* acc) {
-  const int64_t d = p.head_dim, g = p.group, rows = u.ntok * g;
-  const int64_t qstart = p.query_start[u.seq], qlen = p.query_start[u.seq + 1] - qstart;
-  const int64_t pos0 = p.seq_lens[u.seq] - qlen + u.tok0;  // position of the unit's first token
-  const int64_t elem = p.q_bf16 ? 2 : 4;
-  for (int64_t t = 0; t < u.ntok; ++t) {
-    const char* src = static_cast<const char*>(p.query) +
-                      ((qstart + u.tok0 + t) * p.q_stride_t + u.kvh * g * p.q_stride_h) * elem;
-    for (int64_t j = 0; j < g; ++j) to_float(src + j * p.q_stride_h * elem, p.q_bf16, d, sc.q.data() + (t * g + j) * d);
+// One row's online-softmax step over a tile's 32 scores s0, s1 (lanes outside live0, live1
+// ignored): updates m and the 16 partial sums of l at lsum, writes the 32 weights w and returns
+// alpha, the factor on the row's previous acc.
+__attribute__((always_inline)) inline float softmax32(const Problem& p, __m512 s0, __m512 s1, __mmask16 live0,
+                                                      __mmask16 live1, float& m, float* lsum, float* w) {
+  if (!(live0 | live1)) {
+    _mm512_storeu_ps(w, _mm512_setzero_ps());
+    _mm512_storeu_ps(w + 16, _mm512_setzero_ps());
+    return 1.f;
   }
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  s0 = _mm512_mul_ps(s0, scale);
+  s1 = _mm512_mul_ps(s1, scale);
+  if (p.softcap > 0.f) {
+    alignas(64) float x[32];
+    _mm512_store_ps(x, s0);
+    _mm512_store_ps(x + 16, s1);
+    for (int i = 0; i < 32; ++i) x[i] = p.softcap * std::tanh(x[i] / p.softcap);
+    s0 = _mm512_load_ps(x);
+    s1 = _mm512_load_ps(x + 16);
+  }
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  const __m512 top = _mm512_max_ps(_mm512_mask_mov_ps(ninf, live0, s0), _mm512_mask_mov_ps(ninf, live1, s1));
+  const float m_new = std::max(m, _mm512_reduce_max_ps(top));
+  const float alpha = m == kNegInf ? 0.f : m == m_new ? 1.f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m - m_new)));
+  // Weights below e^-80 are dropped: they change nothing and would make denormal products.
+  const __m512 mb = _mm512_set1_ps(m_new), floor = _mm512_set1_ps(-80.0f);
+  __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+  if (live0) {
+    const __m512 diff = _mm512_sub_ps(s0, mb);
+    e0 = _mm512_maskz_mov_ps(live0 & _mm512_cmp_ps_mask(diff, floor, _CMP_GE_OQ), exp16(diff));
+  }
+  if (live1) {
+    const __m512 diff = _mm512_sub_ps(s1, mb);
+    e1 = _mm512_maskz_mov_ps(live1 & _mm512_cmp_ps_mask(diff, floor, _CMP_GE_OQ), exp16(diff));
+  }
+  _mm512_storeu_ps(w, e0);
+  _mm512_storeu_ps(w + 16, e1);
+  _mm512_storeu_ps(lsum, _mm512_fmadd_ps(_mm512_loadu_ps(lsum), _mm512_set1_ps(alpha), _mm512_add_ps(e0, e1)));
+  m = m_new;
+  return alpha;
+}
+
+// 16 fp32 values of a V row: chunk c of an fp32 row, or (BF16) the even (half 0) or odd (half 1)
+// positions of a 32-value chunk, so a bf16 row's acc is stored [chunk][even 16][odd 16].
+template <bool BF16>
+inline __m512 v_lanes(const char* row, int64_t c, int half) {
+  if constexpr (BF16) {
+    const __m512i x = _mm512_loadu_si512(row + 64 * c);
+    return _mm512_castsi512_ps(half ? _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))
+                                    : _mm512_slli_epi32(x, 16));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * c);
+  }
+}
+
+// acc[r] = alpha[r] * acc[r] + sum_i w[r][i] v_i for R rows at acc (stride D), keys ilo..ihi,
+// the R rows' accumulators in registers while each V row is read once.
+// `ahead` (or null): the next tile's K rows then V rows, asked for one key per step so the
+// requests spread over the loop instead of stalling in a burst.
+template <bool BF16, int NC, int R>
+inline void pv_rows(const float* w, const float* alpha, const char* const* vrow, int ilo, int ihi, int64_t d,
+                    float* acc, const char* const* ahead, int64_t ahead_bytes) {
+  constexpr int V = BF16 ? 2 * NC : NC;  // zmm per row
+  __m512 o[R][V];
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < V; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * c), a);
+  }
+  for (int i = ilo; i <= ihi; ++i) {
+    if (ahead)
+      for (int64_t b = 0; b < ahead_bytes; b += 64) {
+        _mm_prefetch(ahead[i] + b, _MM_HINT_T0);
+        _mm_prefetch(ahead[kTile + i] + b, _MM_HINT_T0);
+      }
+    __m512 x[V];
+    for (int c = 0; c < V; ++c) x[c] = BF16 ? v_lanes<true>(vrow[i], c / 2, c % 2) : v_lanes<false>(vrow[i], c, 0);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wb = _mm512_set1_ps(w[r * kTile + i]);
+      for (int c = 0; c < V; ++c) o[r][c] = _mm512_fmadd_ps(wb, x[c], o[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + r * d + 16 * c, o[r][c]);
+}
+
+// Any D: one row at a time, acc through memory.
+template <bool BF16>
+void pv_any(const float* w, const float* alpha, const char* const* vrow, int ilo, int ihi, int64_t d, int64_t rows,
+            float* acc) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < d / 16; ++c) {
+      __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * c), _mm512_set1_ps(alpha[r]));
+      for (int i = ilo; i <= ihi; ++i)
+        o = _mm512_fmadd_ps(_mm512_set1_ps(w[r * kTile + i]),
+                            BF16 ? v_lanes<true>(vrow[i], c / 2, c % 2) : v_lanes<false>(vrow[i], c, 0), o);
+      _mm512_storeu_ps(acc + r * d + 16 * c, o);
+    }
+}
+
+template <bool BF16, int NC, int R>
+void pv_group(int64_t n, const float* w, const float* alpha, const char* const* vrow, int ilo, int ihi, int64_t d,
+              float* acc, const char* const* ahead, int64_t ahead_bytes) {
+  if (n == R)
+    pv_rows<BF16, NC, R>(w, alpha, vrow, ilo, ihi, d, acc, ahead, ahead_bytes);
+  else if constexpr (R > 1)
+    pv_group<BF16, NC, R - 1>(n, w, alpha, vrow, ilo, ihi, d, acc, ahead, ahead_bytes);
+}
+
+template <bool BF16, int NC>
+void pv(const Scratch& sc, const char* const* vrow, int ilo, int ihi, int64_t d, int64_t rows, float* acc,
+        const char* const* ahead, int64_t ahead_bytes) {
+  if constexpr (NC == 0) {
+    if (ahead)
+      for (int i = 0; i < kTile; ++i)
+        for (int64_t b = 0; b < ahead_bytes; b += 64) {
+          _mm_prefetch(ahead[i] + b, _MM_HINT_T0);
+          _mm_prefetch(ahead[kTile + i] + b, _MM_HINT_T0);
+        }
+    pv_any<BF16>(sc.w.data(), sc.alpha.data(), vrow, ilo, ihi, d, rows, acc);
+  } else {
+    constexpr int V = BF16 ? 2 * NC : NC;
+    constexpr int R = V <= 4 ? 4 : V <= 8 ? 2 : 1;  // rows whose accumulators fit in registers
+    for (int64_t r = 0; r < rows; r += R)
+      pv_group<BF16, NC, R>(std::min<int64_t>(R, rows - r), sc.w.data() + r * kTile, sc.alpha.data() + r, vrow, ilo,
+                            ihi, d, acc + r * d, r == 0 ? ahead : nullptr, ahead_bytes);
+  }
+}
+
+// A bf16 row's acc from [chunk][even 16][odd 16] back to D values in order.
+void unpermute_rows(float* acc, int64_t rows, int64_t d) {
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < d; c += 32) {
+      float* x = acc + r * d + c;
+      const __m512 even = _mm512_loadu_ps(x), odd = _mm512_loadu_ps(x + 16);
+      _mm512_storeu_ps(x, _mm512_permutex2var_ps(even, lo, odd));
+      _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(even, hi, odd));
+    }
+}
+
+// run_item_scalar's contract on AVX-512: each tile's 16 scores of a row are one zmm, all rows of
+// the unit go over one read of the tile, no horizontal sums but one max and one sum per row.
+template <bool BF16, int NC>
+void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scratch& sc, float* m, float* l,
+                   float* acc) {
+  const int64_t d = p.head_dim, g = p.group, rows = u.ntok * g;
+  const int64_t qlen = p.query_start[u.seq + 1] - p.query_start[u.seq];
+  const int64_t pos0 = p.seq_lens[u.seq] - qlen + u.tok0;
+  load_queries(p, u, BF16, sc);
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.f);
   std::fill(acc, acc + rows * d, 0.f);
+  std::fill(sc.lsum.begin(), sc.lsum.begin() + rows * 16, 0.f);
   const int64_t* table = p.block_tables + u.seq * p.bt_stride;
+  const bool in_place = BF16 || p.kv == KV::kF32;
+  const char* kc = static_cast<const char*>(p.k_cache);
+  const char* vc = static_cast<const char*>(p.v_cache);
+  const char* zero = reinterpret_cast<const char*>(sc.zero.data());
+  int64_t off[kTile];
+  const char* krow[kTile];
+  const char* vrow[kTile];
+  const int64_t row_bytes = p.kv_width * (p.kv == KV::kF32 ? 4 : p.kv == KV::kBF16 ? 2 : 1);
+  int64_t next[kTile];
+  const char* ahead[2 * kTile];
+  tile_offsets(p, table, u.kvh, k0, std::min(kTile, k1 - k0), next);
   for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
     const int64_t n = std::min(kTile, k1 - t0);
-    load_tile(p, table, u.kvh, t0, n, sc.k.data(), sc.v.data());
+    std::memcpy(off, next, sizeof(off));
+    const bool more = t0 + kTile < k1;
+    if (more) {  // ask for the next tile while this one runs
+      const int64_t nn = std::min(kTile, k1 - t0 - kTile);
+      tile_offsets(p, table, u.kvh, t0 + kTile, nn, next);
+      for (int64_t i = 0; i < kTile; ++i) {
+        ahead[i] = i < nn ? kc + next[i] : zero;
+        ahead[kTile + i] = i < nn ? vc + next[i] : zero;
+      }
+    }
+    if (in_place) {
+      for (int64_t i = 0; i < n; ++i) krow[i] = kc + off[i], vrow[i] = vc + off[i];
+    } else {
+      load_tile(p, table, u.kvh, t0, n, sc.k.data(), sc.v.data());
+      for (int64_t i = 0; i < n; ++i)
+        krow[i] = reinterpret_cast<const char*>(sc.k.data() + i * d),
+        vrow[i] = reinterpret_cast<const char*>(sc.v.data() + i * d);
+    }
+    for (int64_t i = n; i < kTile; ++i) krow[i] = vrow[i] = zero;  // score 0, weight 0
+    int ilo = kTile, ihi = -1;
     for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = sc.q.data() + r * d;
-#ifdef __AVX512F__
-      if (d % 16 == 0)
-        for (int64_t i = 0; i < n; ++i) sc.scores[i] = dot(qr, sc.k.data() + i * d, d);
-      else
+      int64_t first, last;
+      live_range(p, t0, n, pos0 + r / g, first, last);
+      uint32_t live = 0;
+      if (first <= last) {
+        live = static_cast<uint32_t>(((uint64_t{1} << (last - t0 + 1)) - 1) & ~((uint64_t{1} << (first - t0)) - 1));
+        ilo = std::min<int>(ilo, first - t0);
+        ihi = std::max<int>(ihi, last - t0);
+      }
+      const __mmask16 live0 = static_cast<__mmask16>(live), live1 = static_cast<__mmask16>(live >> 16);
+      const __m512 s0 = live0 ? scores16<BF16, NC>(sc, r, krow, d) : _mm512_setzero_ps();
+      const __m512 s1 = live1 ? scores16<BF16, NC>(sc, r, krow + 16, d) : _mm512_setzero_ps();
+      sc.alpha[r] = softmax32(p, s0, s1, live0, live1, m[r], sc.lsum.data() + r * 16, sc.w.data() + r * kTile);
+    }
+    if (ilo <= ihi)
+      pv<BF16, NC>(sc, vrow, ilo, ihi, d, rows, acc, more ? ahead : nullptr, row_bytes);
+  }
+  for (int64_t r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lsum.data() + r * 16));
+  if constexpr (BF16) unpermute_rows(acc, rows, d);
+}
 #endif
-        for (int64_t i = 0; i < n; ++i) sc.scores[i] = dot_scalar(qr, sc.k.data() + i * d, d);
-      softmax_step(p, sc.scores.data(), t0, n, pos0 + r / g, sc.v.data(), m[r], l[r], acc + r * d);
+
+using ItemFn = void (*)(const Problem&, const Unit&, int64_t, int64_t, Scratch&, float*, float*, float*);
+
+// The fastest path this build has for the problem's types and D.
+ItemFn pick_item_fn(const Problem& p) {
+#ifdef __AVX512F__
+#ifdef __AVX512BF16__
+  if (p.q_bf16 && p.kv == KV::kBF16 && p.head_dim % 32 == 0) {
+    switch (p.head_dim / 32) {
+      case 2: return run_item_fast<true, 2>;
+      case 4: return run_item_fast<true, 4>;
+      case 8: return run_item_fast<true, 8>;
+      default: return run_item_fast<true, 0>;
     }
   }
+#endif
+  if (p.head_dim % 16 == 0) {
+    switch (p.head_dim / 16) {
+      case 4: return run_item_fast<false, 4>;
+      case 8: return run_item_fast<false, 8>;
+      default: return run_item_fast<false, 0>;
+    }
+  }
+#endif
+  return run_item_scalar;
 }
 
 void write_rows(const Problem& p, const Unit& u, const float* rows_out) {
@@ -349,14 +680,17 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
     if (units[items[i].unit].nsplit > 1) slot[i] = num_slots++;
   partials.resize(num_slots * part);
 
+  const ItemFn run_item = pick_item_fn(p);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch sc(max_rows, d);
-    std::vector<float> local(part);
+    Scratch& sc = thread_scratch(max_rows, d, part);
     for (int64_t i = begin; i < end; ++i) {
       const Unit& u = units[items[i].unit];
       const int64_t rows = u.ntok * p.group;
-      float* buf = slot[i] >= 0 ? partials.data() + slot[i] * part : local.data();
+      float* buf = slot[i] >= 0 ? partials.data() + slot[i] * part : sc.local.data();
       float *m = buf, *l = buf + max_rows, *acc = buf + 2 * max_rows;
+#ifdef __AVX512F__
+      if (i + 1 < end) prefetch_item(p, units[items[i + 1].unit], items[i + 1].k0, items[i + 1].k1);
+#endif
       run_item(p, u, items[i].k0, items[i].k1, sc, m, l, acc);
       if (slot[i] >= 0) continue;
       for (int64_t r = 0; r < rows; ++r)
@@ -365,8 +699,9 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
     }
   });
 
+  if (num_slots == 0) return;
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(max_rows * d);
+    float* merged = thread_scratch(max_rows, d, part).local.data();
     for (int64_t ui = begin; ui < end; ++ui) {
       const Unit& u = units[ui];
       if (u.nsplit == 1) continue;
@@ -375,7 +710,7 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
         float big = kNegInf;
         for (int64_t s = 0; s < u.nsplit; ++s) big = std::max(big, partials[slot[u.first_item + s] * part + r]);
         float denom = 0.f;
-        float* o = merged.data() + r * d;
+        float* o = merged + r * d;
         std::fill(o, o + d, 0.f);
         for (int64_t s = 0; s < u.nsplit; ++s) {
           const float* buf = partials.data() + slot[u.first_item + s] * part;
@@ -387,7 +722,7 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
         }
         for (int64_t j = 0; j < d; ++j) o[j] /= denom;
       }
-      write_rows(p, u, merged.data());
+      write_rows(p, u, merged);
     }
   });
 }
