@@ -17,7 +17,6 @@
 #include <array>
 #include <cstring>
 #include <string>
-#include <type_traits>
 #include <vector>
 #include <utility>
 
@@ -365,138 +364,74 @@ at::Tensor pack_activations(const at::Tensor& x) {
   return packed;
 }
 
-// Group g of 16 output rows from n0, as bf16 rows of the strip (row stride k); rows past
-// `outputs` are zero. Q4_1: a group's 16 possible weights d * q + m (multiply, then add, as in
-// group16) are rounded to bf16 once, two rows' tables in one vector, and the nibbles pick them.
-void strip_group(const Q4Format& f, int64_t n0, int64_t outputs, int64_t g, bf16* strip, int64_t k) {
+// Output rows n0.. n0 + 15 of W as the strip's bf16 rows (row stride k), rows past `outputs`
+// zero; row by row, so each row's groups are read as one stream. Q4_1: a group's 16 possible
+// weights d * q + m (multiply, then add, as in group16) are rounded to bf16 once, two rows'
+// tables in one vector, and the nibbles pick them (vpermw).
+void make_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip, int64_t k) {
   const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
                                          0x0004000400040004, 0, 0, 0, 0);  // words 16-31: high nibbles
   const __m512i low4 = _mm512_set1_epi16(15), second = _mm512_set1_epi16(16);
+  const auto nibbles = [&](int64_t i) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f.qs + i * 16));
+    return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes)), shift);
+  };
   for (int64_t r = 0; r < kTileRows; r += 2) {
-    bf16* dst = strip + r * k + g * kGroup;
+    bf16* dst = strip + r * k;
     if (r >= outputs) {
-      _mm512_storeu_si512(dst, _mm512_setzero_si512());
-      _mm512_storeu_si512(dst + k, _mm512_setzero_si512());
+      std::memset(dst, 0, 2 * k * sizeof(bf16));
       continue;
     }
-    const int64_t n = n0 + r, n1 = n0 + std::min(r + 1, outputs - 1);  // a missing row repeats n
-    const int64_t i0 = n * f.groups + g, i1 = n1 * f.groups + g;
-    const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i0])), _mm512_set1_ps(f.mins[i0]));
-    const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i1])), _mm512_set1_ps(f.mins[i1]));
-    const __m512bh tables = _mm512_cvtne2ps_pbh(t1, t0);  // words 0-15: row r's, 16-31: row r + 1's
-    const __m512i table = reinterpret_cast<const __m512i&>(tables);
-    const auto nibbles = [&](int64_t i) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f.qs + i * 16));
-      return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes)), shift);
-    };
-    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_and_si512(nibbles(i0), low4), table));
-    const __m512i pick1 = _mm512_ternarylogic_epi32(nibbles(i1), low4, second, 0xEA);  // (q & 15) | 16
-    _mm512_storeu_si512(dst + k, r + 1 < outputs ? _mm512_permutexvar_epi16(pick1, table) : _mm512_setzero_si512());
+    const bool pair = r + 1 < outputs;
+    const int64_t row0 = (n0 + r) * f.groups, row1 = (n0 + r + pair) * f.groups;  // no pair: row r twice
+    for (int64_t g = 0; g < f.groups; ++g) {
+      const int64_t i0 = row0 + g, i1 = row1 + g;
+      const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i0])), _mm512_set1_ps(f.mins[i0]));
+      const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i1])), _mm512_set1_ps(f.mins[i1]));
+      const __m512bh tables = _mm512_cvtne2ps_pbh(t1, t0);  // words 0-15: row r's, 16-31: row r + 1's
+      const __m512i table = reinterpret_cast<const __m512i&>(tables);
+      _mm512_storeu_si512(dst + g * kGroup, _mm512_permutexvar_epi16(_mm512_and_si512(nibbles(i0), low4), table));
+      const __m512i pick1 = _mm512_ternarylogic_epi32(nibbles(i1), low4, second, 0xEA);  // (q & 15) | 16
+      _mm512_storeu_si512(dst + k + g * kGroup, _mm512_permutexvar_epi16(pick1, table));
+    }
+    if (!pair) std::memset(dst + k, 0, k * sizeof(bf16));
   }
 }
 
-void strip_group(const Q8Format& f, int64_t n0, int64_t outputs, int64_t g, bf16* strip, int64_t k) {
+void make_strip(const Q8Format& f, int64_t n0, int64_t outputs, bf16* strip, int64_t k) {
   for (int64_t r = 0; r < kTileRows; ++r) {
-    bf16* dst = strip + r * k + g * kGroup;
+    bf16* dst = strip + r * k;
     if (r >= outputs) {
-      _mm512_storeu_si512(dst, _mm512_setzero_si512());
+      std::memset(dst, 0, k * sizeof(bf16));
       continue;
     }
-    const auto [lo, hi] = f.group16(n0 + r, g);
-    const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);  // to nearest even, as in rows_bf16
-    _mm512_storeu_si512(dst, reinterpret_cast<const __m512i&>(w));
+    for (int64_t g = 0; g < f.groups; ++g) {
+      const auto [lo, hi] = f.group16(n0 + r, g);
+      const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);  // to nearest even, as in rows_bf16
+      _mm512_storeu_si512(dst + g * kGroup, reinterpret_cast<const __m512i&>(w));
+    }
   }
 }
 
-// One pass over a strip: C tiles = strip . B tiles of the pass, over every group of K; after
-// each group's tile instructions `between(g)` runs vector work (the next strip's
-// dequantization) that the core overlaps with the tile unit. A tile instruction waits for the
-// previous one on the same accumulator (latency ~3x its issue interval), so a pass of one or
-// two row blocks splits K over 4 / 2 accumulators (C tile s * blocks + b sums the groups
-// g = s mod splits of row block b), and consecutive groups alternate operand tiles.
-template <int Blocks>
-struct Pass {
-  static constexpr int splits = Blocks == 1 ? 4 : Blocks == 2 ? 2 : 1;
-  static constexpr int accumulators = Blocks * splits;
-};
-
-// (the tile intrinsics take literal tile numbers)
-template <int S, int Blocks>
-inline void group_tiles(const bf16* a, int64_t k, const int32_t* xg) {
+// One pass over a strip: C tiles 0..B-1 = strip . (B tiles of the pass), over every group of
+// K (A tile 4, B tiles 5 6 7, 5 again for a fourth row block; the intrinsics take literal
+// tile numbers).
+template <int B>
+void tile_pass(const bf16* strip, int64_t k, const int32_t* xg, int64_t group_stride) {
+  _tile_zero(0);
+  if constexpr (B > 1) _tile_zero(1);
+  if constexpr (B > 2) _tile_zero(2);
+  if constexpr (B > 3) _tile_zero(3);
   constexpr int64_t tile = kTileRows * kTileRows;
-  const int64_t stride = k * sizeof(bf16);
-  if constexpr (Blocks == 1) {  // C = S; A 4 / 6 and B 5 / 7 by parity
-    if constexpr (S % 2 == 0) { _tile_loadd(4, a, stride); _tile_loadd(5, xg, 64); }
-    else { _tile_loadd(6, a, stride); _tile_loadd(7, xg, 64); }
-    if constexpr (S == 0) _tile_dpbf16ps(0, 4, 5);
-    if constexpr (S == 1) _tile_dpbf16ps(1, 6, 7);
-    if constexpr (S == 2) _tile_dpbf16ps(2, 4, 5);
-    if constexpr (S == 3) _tile_dpbf16ps(3, 6, 7);
-  } else if constexpr (Blocks == 2) {  // C = 2 S + block; A 4 / 7 by parity, B 5 and 6
-    if constexpr (S == 0) {
-      _tile_loadd(4, a, stride);
-      _tile_loadd(5, xg, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, xg + tile, 64);
-      _tile_dpbf16ps(1, 4, 6);
-    } else {
-      _tile_loadd(7, a, stride);
-      _tile_loadd(5, xg, 64);
-      _tile_dpbf16ps(2, 7, 5);
-      _tile_loadd(6, xg + tile, 64);
-      _tile_dpbf16ps(3, 7, 6);
-    }
-  } else {  // C = block; A 4, B 5 6 7 (5 again for a fourth block)
-    _tile_loadd(4, a, stride);
+  for (int64_t g = 0; g < k / kGroup; ++g, xg += group_stride) {
+    _tile_loadd(4, strip + g * kGroup, k * sizeof(bf16));
     _tile_loadd(5, xg, 64);
     _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, xg + tile, 64);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, xg + 2 * tile, 64);
-    _tile_dpbf16ps(2, 4, 7);
-    if constexpr (Blocks > 3) {
-      _tile_loadd(5, xg + 3 * tile, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
+    if constexpr (B > 1) { _tile_loadd(6, xg + tile, 64); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (B > 2) { _tile_loadd(7, xg + 2 * tile, 64); _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (B > 3) { _tile_loadd(5, xg + 3 * tile, 64); _tile_dpbf16ps(3, 4, 5); }
   }
-}
-
-template <int Blocks, class Between>
-void tile_pass(const bf16* strip, int64_t k, const int32_t* xg, int64_t group_stride, Between&& between,
-               float (*c)[kTileRows * kTileRows]) {
-  constexpr int splits = Pass<Blocks>::splits, acc = Pass<Blocks>::accumulators;
-  _tile_zero(0);
-  if constexpr (acc > 1) _tile_zero(1);
-  if constexpr (acc > 2) _tile_zero(2);
-  if constexpr (acc > 3) _tile_zero(3);
-  const int64_t groups = k / kGroup;
-  int64_t g = 0;
-  const auto step = [&](auto s) {
-    group_tiles<decltype(s)::value, Blocks>(strip + g * kGroup, k, xg + g * group_stride);
-    between(g++);
-  };
-  using I0 = std::integral_constant<int, 0>;
-  using I1 = std::integral_constant<int, 1>;
-  using I2 = std::integral_constant<int, 2>;
-  using I3 = std::integral_constant<int, 3>;
-  for (; g + splits <= groups;) {
-    step(I0{});
-    if constexpr (splits > 1) step(I1{});
-    if constexpr (splits > 2) { step(I2{}); step(I3{}); }
-  }
-  if (g < groups) step(I0{});  // the groups left over split the same way
-  if constexpr (splits > 2) { if (g < groups) step(I1{}); if (g < groups) step(I2{}); }
-  _tile_stored(0, c[0], 64);
-  if constexpr (acc > 1) _tile_stored(1, c[1], 64);
-  if constexpr (acc > 2) _tile_stored(2, c[2], 64);
-  if constexpr (acc > 3) _tile_stored(3, c[3], 64);
-  for (int b = 0; b < Blocks && splits > 1; ++b)  // the split sums of each row block, in c[b]
-    for (int64_t i = 0; i < kTileRows * kTileRows; i += 16) {
-      __m512 v = _mm512_load_ps(c[b] + i);
-      for (int sp = 1; sp < splits; ++sp) v = _mm512_add_ps(v, _mm512_load_ps(c[sp * Blocks + b] + i));
-      _mm512_store_ps(c[b] + i, v);
-    }
 }
 
 // C tile [16 outputs][16 rows] -> y[row][n0 + output] for the rows and outputs that exist.
@@ -524,10 +459,10 @@ at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
   const auto outputs_of = [&](int64_t nb) { return std::min(kTileRows, n_out - nb * kTileRows); };
   at::parallel_for(0, (n_out + kTileRows - 1) / kTileRows, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
-    thread_local std::vector<bf16> strips;  // two strips: one multiplied while the next is made
+    thread_local std::vector<bf16> strips;  // two strips: one in the tile unit while the next is made
     strips.resize(2 * kTileRows * k);
     alignas(64) float c[kPassBlocks][kTileRows * kTileRows];
-    for (int64_t g = 0; g < f.groups; ++g) strip_group(f, begin * kTileRows, outputs_of(begin), g, strips.data(), k);
+    make_strip(f, begin * kTileRows, outputs_of(begin), strips.data(), k);
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t n0 = nb * kTileRows, outputs = outputs_of(nb);
       const bf16* strip = strips.data() + ((nb - begin) & 1) * kTileRows * k;
@@ -535,16 +470,17 @@ at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
       for (int64_t b0 = 0; b0 < blocks; b0 += kPassBlocks) {
         const int64_t pass = std::min(kPassBlocks, blocks - b0);
         const int32_t* xg = xp + b0 * kTileRows * kTileRows;
-        const bool make_next = b0 == 0 && nb + 1 < end;
-        const auto between = [&](int64_t g) {
-          if (make_next) strip_group(f, n0 + kTileRows, outputs_of(nb + 1), g, next, k);
-        };
         switch (pass) {
-          case 1: tile_pass<1>(strip, k, xg, group_stride, between, c); break;
-          case 2: tile_pass<2>(strip, k, xg, group_stride, between, c); break;
-          case 3: tile_pass<3>(strip, k, xg, group_stride, between, c); break;
-          default: tile_pass<4>(strip, k, xg, group_stride, between, c); break;
+          case 1: tile_pass<1>(strip, k, xg, group_stride); break;
+          case 2: tile_pass<2>(strip, k, xg, group_stride); break;
+          case 3: tile_pass<3>(strip, k, xg, group_stride); break;
+          default: tile_pass<4>(strip, k, xg, group_stride); break;
         }
+        if (b0 == 0 && nb + 1 < end) make_strip(f, n0 + kTileRows, outputs_of(nb + 1), next, k);
+        _tile_stored(0, c[0], 64);
+        if (pass > 1) _tile_stored(1, c[1], 64);
+        if (pass > 2) _tile_stored(2, c[2], 64);
+        if (pass > 3) _tile_stored(3, c[3], 64);
         for (int64_t b = 0; b < pass; ++b) {
           const int64_t m0 = (b0 + b) * kTileRows;
           store_transposed(c[b], yp + m0 * n_out + n0, n_out, std::min(kTileRows, rows - m0), outputs);
