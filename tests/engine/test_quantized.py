@@ -205,7 +205,7 @@ def test_row_limits_give_amx_the_mid_rows_only_where_it_runs(monkeypatch):
     head_vector, head_max = row_limits(True, head=True)
     assert head_vector == quantized.HEAD_MAX_ROWS_BF16 and head_max >= head_vector
     monkeypatch.setattr(quantized, "q4_amx_available", lambda: False)
-    assert row_limits(True) == (quantized.MAX_ROWS_BF16, quantized.MAX_ROWS_BF16)
+    assert row_limits(True) == (quantized.VECTOR_ONLY_MAX_ROWS_BF16,) * 2
     assert row_limits(True, head=True) == (quantized.HEAD_MAX_ROWS_BF16,) * 2
 
 

@@ -20,12 +20,16 @@ GROUP = 32
 # Above these a batch is compute-bound and the dense packed GEMM (AMX under bf16) is faster:
 # the vector kernels' dot products cost rows x weights, AMX's a sixteenth. Under bf16 with AMX
 # a third kernel dequantizes the groups into AMX tiles: it pays the dequantization once per
-# weight, whatever the rows, so it serves mid-size batches (figures in docs/architecture.md).
+# weight whatever the rows, so it takes over from the vector kernel at 4 rows and beats the
+# dense copy up to ~32 (cold weights; figures in docs/architecture.md).
 MAX_ROWS = 16  # float32 activations
-MAX_ROWS_BF16 = 8  # the vector (vdpbf16ps) kernel
+MAX_ROWS_BF16 = 3  # the vector (vdpbf16ps) kernel where the AMX one runs
+VECTOR_ONLY_MAX_ROWS_BF16 = 8  # ... and where it does not
 HEAD_MAX_ROWS_BF16 = 4  # the LM head over Q8_0 groups
 AMX_MAX_ROWS_BF16 = 32  # the AMX kernel, above MAX_ROWS_BF16
-HEAD_AMX_MAX_ROWS_BF16 = HEAD_MAX_ROWS_BF16  # the head's AMX kernel: not faster than oneDNN here
+# The head's AMX kernel lost to oneDNN at every row count measured (its 56 MB bf16 copy stays
+# in this CPU's 300 MB L3): off until a machine shows otherwise.
+HEAD_AMX_MAX_ROWS_BF16 = HEAD_MAX_ROWS_BF16
 
 
 def row_limits(bf16: bool, head: bool = False) -> tuple[int, int]:
@@ -33,8 +37,11 @@ def row_limits(bf16: bool, head: bool = False) -> tuple[int, int]:
     the AMX kernel takes the rows between, where this CPU and kernel build have it."""
     if not bf16:
         return MAX_ROWS, MAX_ROWS
-    vector, tiles = (HEAD_MAX_ROWS_BF16, HEAD_AMX_MAX_ROWS_BF16) if head else (MAX_ROWS_BF16, AMX_MAX_ROWS_BF16)
-    return (vector, max(vector, tiles)) if tiles > vector and q4_amx_available() else (vector, vector)
+    if head:
+        vector, tiles, alone = HEAD_MAX_ROWS_BF16, HEAD_AMX_MAX_ROWS_BF16, HEAD_MAX_ROWS_BF16
+    else:
+        vector, tiles, alone = MAX_ROWS_BF16, AMX_MAX_ROWS_BF16, VECTOR_ONLY_MAX_ROWS_BF16
+    return (vector, tiles) if tiles > vector and q4_amx_available() else (alone, alone)
 
 
 def q4_groups(weight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
