@@ -7,7 +7,8 @@
 // `Tensor.to(torch.bfloat16)` made the dense bf16 copy), so the kernel multiplies by the dense
 // copy's weights bit for bit; products accumulate in float32 and the output is rounded to
 // bfloat16 once, as oneDNN's bf16 GEMM does. AVX512-BF16 dot products where the CPU has them,
-// AVX2 + FMA or scalar loops elsewhere.
+// AVX2 + FMA or scalar loops elsewhere; for mid-size bf16 batches, AMX tiles (q4_linear_amx,
+// q8_linear_amx: the same weights, see below) where the CPU has them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -303,7 +304,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 
 
 // --- bfloat16 activations on AMX tiles -------------------------------------------------------
-// Mid-size batches (a decode step of ~8-128 rows): the vdpbf16ps loops above pay a dot product
+// Mid-size batches (a decode step of ~4-32 rows): the vdpbf16ps loops above pay a dot product
 // per 32 weights per row, so they are compute-bound there, while the dense AMX GEMM streams
 // 2.7x more weight bytes. Here each block of 16 output rows of W is dequantized once (the same
 // bf16 weights, bit for bit) into a scratch strip whose 16 x 32 slices are AMX A tiles (a
@@ -341,7 +342,7 @@ void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
-// bf16 -> float32 round to nearest even, as c10::BFloat16(float) does (NaN -> 0x7fc0)
+// float32 -> bf16, to nearest even as c10::BFloat16(float) rounds (NaN -> 0x7fc0)
 inline __m256i round_to_bf16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
