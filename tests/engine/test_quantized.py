@@ -5,10 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.engine.kernels import q4_linear_available
-from kvpool.engine.models.quantized import MAX_ROWS, Q4Linear, Q8Linear, q4_groups, q8_groups
+from kvpool.engine.kernels import q4_amx_available, q4_linear_available
+from kvpool.engine.models import quantized
+from kvpool.engine.models.quantized import (
+    MAX_ROWS,
+    Q4Linear,
+    Q8Linear,
+    q4_groups,
+    q8_groups,
+    row_limits,
+)
 
 needs_kernel = pytest.mark.skipif(not q4_linear_available(), reason="no C++ compiler for the 4-bit kernel")
+needs_amx = pytest.mark.skipif(not q4_amx_available(), reason="no AMX here (or the kernel has none): see the log")
 
 
 def q4_1_weight(n: int, k: int, seed: int = 0, top: int = 15) -> torch.Tensor:
@@ -110,32 +119,94 @@ def test_8bit_groups_are_recovered_only_from_exact_8bit_weights():
     assert q8_groups(w.bfloat16()) is None  # rounded weights: nothing to check them against
 
 
-def _kernel(kind: str, x: torch.Tensor, groups: tuple) -> torch.Tensor:
-    op = torch.ops.kvpool.q4_linear if kind == "q4" else torch.ops.kvpool.q8_linear
-    return op(x, *groups)
+def _kernel(kind: str, x: torch.Tensor, groups: tuple, tiles: bool = False) -> torch.Tensor:
+    ops = torch.ops.kvpool
+    if tiles:
+        return (ops.q4_linear_amx if kind == "q4" else ops.q8_linear_amx)(x, *groups)
+    return (ops.q4_linear if kind == "q4" else ops.q8_linear)(x, *groups)
+
+
+KERNELS = [pytest.param(False, id="vector"), pytest.param(True, id="amx", marks=needs_amx)]
 
 
 @needs_kernel
+@pytest.mark.parametrize("tiles", KERNELS)
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_bf16_kernel_multiplies_by_the_dense_bf16_copys_weights_bit_for_bit(kind):
+def test_bf16_kernel_multiplies_by_the_dense_bf16_copys_weights_bit_for_bit(kind, tiles):
     """One-hot rows pick single weights: the kernel's bf16 weight must be exactly the dense bf16
     copy's (float32 weight rounded to nearest even), and its sums agree with a float32 matmul
-    over that copy to one bf16 rounding of the output."""
-    w = q4_1_weight(80, 96, seed=3) if kind == "q4" else q8_0_weight(80, 96, seed=3)
+    over that copy to one bf16 rounding of the output. 88 outputs: a partial block of 16 (the
+    AMX kernel's tile rows); row counts on both sides of each 16 and of its 64-row pass."""
+    w = q4_1_weight(88, 96, seed=3) if kind == "q4" else q8_0_weight(88, 96, seed=3)
     groups = q4_groups(w) if kind == "q4" else q8_groups(w)
     dense = w.bfloat16()
     eye = torch.eye(96, dtype=torch.bfloat16)
     for start in range(0, 96, 19):  # 19 rows: a chunk of 16, then 3
         rows = eye[start : start + 19]
-        out = _kernel(kind, rows, groups)
+        out = _kernel(kind, rows, groups, tiles)
         assert out.dtype == torch.bfloat16
         assert torch.equal(out, dense.T[start : start + 19])
-    for n_rows in (1, 2, 5, 8, 16, 17, 33):
+    assert torch.equal(_kernel(kind, eye, groups, tiles), dense.T)  # 96 rows: a 64-row pass, then 32
+    for n_rows in (1, 2, 5, 8, 16, 17, 33, 64, 65, 100, 130):
         x = torch.randn(n_rows, 96).bfloat16()
         ref = x.float() @ dense.float().T
-        out = _kernel(kind, x, groups).float()
+        out = _kernel(kind, x, groups, tiles).float()
         # float32 sums in another order, then one rounding to bf16 (relative 2^-8)
         assert torch.allclose(out, ref, rtol=2**-8, atol=1e-3), (out - ref).abs().max()
+
+
+@needs_amx
+def test_amx_kernel_over_a_projections_shape_matches_the_vector_kernel():
+    """SmolLM2's down projection (K = 1536, 48 groups a row): the tiles' float32 sums and the
+    vector kernel's differ by summation order only."""
+    w = q4_1_weight(576, 1536, seed=5)
+    groups = q4_groups(w)
+    x = torch.randn(40, 1536).bfloat16()
+    ref = x.float() @ w.bfloat16().float().T
+    for out in (_kernel("q4", x, groups, tiles=True), _kernel("q4", x, groups)):
+        assert torch.allclose(out.float(), ref, rtol=2**-8, atol=2e-3)
+
+
+@needs_kernel
+def test_amx_kernels_refuse_float32_activations():
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.kvpool.q4_linear_amx(torch.randn(2, 64), *q4_groups(q4_1_weight(16, 64)))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.kvpool.q8_linear_amx(torch.randn(2, 64), *q8_groups(q8_0_weight(16, 64)))
+
+
+@needs_kernel
+def test_bf16_batches_run_the_vector_kernel_then_amx_tiles_then_dense():
+    w = q4_1_weight(48, 64, seed=4)
+    dense_w = w.bfloat16()
+    calls: list[tuple[str, int]] = []
+
+    def dense(x: torch.Tensor) -> torch.Tensor:
+        calls.append(("dense", x.shape[0]))
+        return x @ dense_w.T
+
+    lin = Q4Linear(dense, q4_groups(w), None, max_rows=32, vector_rows=8)
+    for name in ("kernel", "tile_kernel"):
+        real = getattr(lin, name)
+        setattr(lin, name, lambda x, real=real, name=name: calls.append((name, x.shape[0])) or real(x))
+    rows = (1, 8, 9, 32, 33) if q4_amx_available() else (1, 8)
+    for n in rows:
+        x = torch.randn(n, 64).bfloat16()
+        ref = x.float() @ dense_w.float().T
+        assert torch.allclose(lin(x).float(), ref, rtol=2**-7, atol=1e-2)
+    expected = [("kernel", 1), ("kernel", 8), ("tile_kernel", 9), ("tile_kernel", 32), ("dense", 33)]
+    assert calls == expected[: len(rows)]
+
+
+def test_row_limits_give_amx_the_mid_rows_only_where_it_runs(monkeypatch):
+    monkeypatch.setattr(quantized, "q4_amx_available", lambda: True)
+    assert row_limits(True) == (quantized.MAX_ROWS_BF16, quantized.AMX_MAX_ROWS_BF16)
+    assert row_limits(False) == (MAX_ROWS, MAX_ROWS)  # float32: the vector kernel only
+    head_vector, head_max = row_limits(True, head=True)
+    assert head_vector == quantized.HEAD_MAX_ROWS_BF16 and head_max >= head_vector
+    monkeypatch.setattr(quantized, "q4_amx_available", lambda: False)
+    assert row_limits(True) == (quantized.VECTOR_ONLY_MAX_ROWS_BF16,) * 2
+    assert row_limits(True, head=True) == (quantized.HEAD_MAX_ROWS_BF16,) * 2
 
 
 @needs_kernel
@@ -156,12 +227,10 @@ def bf16_q4():
 
 def _force_dense(model, on: bool) -> None:
     """Route every batch to the dense bf16 copies (the reference) or back to the kernels."""
-    from kvpool.engine.models.quantized import HEAD_MAX_ROWS_BF16, MAX_ROWS_BF16
-
     for module in model.modules():
         if isinstance(module, Q4Linear):
-            module.max_rows = 0 if on else (HEAD_MAX_ROWS_BF16 if isinstance(module, Q8Linear) else MAX_ROWS_BF16)
-    model.q4_rows = 0 if on else MAX_ROWS_BF16
+            module.vector_rows, module.max_rows = (0, 0) if on else row_limits(True, isinstance(module, Q8Linear))
+    model.q4_rows = 0 if on else row_limits(True)[1]
 
 
 @needs_kernel
@@ -200,3 +269,26 @@ def test_bf16_model_serves_decode_from_4bit_projections_and_an_8bit_head(bf16_q4
             worst = max(worst, (ref - ours).abs().max().item())
     assert agree >= total - 1, f"{agree}/{total} greedy tokens agree"
     assert worst <= 1.0, worst  # logits ~10-20 in magnitude (bf16 ulp 0.06-0.125), 30 layers deep: 0.66 seen
+
+
+@needs_amx
+def test_bf16_model_prefill_chunk_on_amx_tiles_matches_the_dense_model(bf16_q4):
+    """A 24-token step runs every projection on the AMX kernel (above the vector kernel's rows):
+    its logits are the dense bf16 model's to bf16 summation order, and so are its argmaxes."""
+    from test_model_reference import BLOCK_SIZE, PROMPTS, PagedSequence
+
+    from kvpool.engine.models.llama import allocate_kv_caches
+
+    vector_rows, max_rows = row_limits(True)
+    ids = [t for p in PROMPTS[:4] for t in bf16_q4.tokenizer.encode(p)][: min(24, max_rows)]
+    assert vector_rows < len(ids) <= max_rows
+    logits = []
+    for dense in (True, False):
+        seq = PagedSequence(bf16_q4)
+        seq.kv = allocate_kv_caches(bf16_q4.config, 64, BLOCK_SIZE, torch.bfloat16, "cpu")
+        _force_dense(bf16_q4.model, dense)
+        logits.append(seq.step(ids))
+    _force_dense(bf16_q4.model, False)
+    ref, ours = logits
+    assert (ref - ours).abs().max().item() <= 1.0
+    assert (ref.argmax(-1) == ours.argmax(-1)).sum().item() >= len(ids) - 1

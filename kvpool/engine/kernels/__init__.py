@@ -88,6 +88,22 @@ def q4_linear_available() -> bool:
 
 
 @cache
+def q4_amx_available() -> bool:
+    """`torch.ops.kvpool.q4_linear_amx` / `q8_linear_amx`: the groups dequantized into AMX tiles
+    (bf16). Needs the kernel built with AMX and Linux's grant of the tile state; logs why not.
+    `KVPOOL_AMX_KERNELS=0` keeps mid-size batches on the dense path."""
+    if os.environ.get("KVPOOL_AMX_KERNELS", "1") == "0":
+        logger.info("AMX 4-bit kernels off (KVPOOL_AMX_KERNELS=0); mid-size bf16 batches use the dense path")
+        return False
+    if not q4_linear_available():
+        return False
+    reason = torch.ops.kvpool.amx_unavailable()
+    if reason:
+        logger.info("AMX 4-bit kernels unavailable (%s); mid-size bf16 batches use the dense path", reason)
+    return not reason
+
+
+@cache
 def paged_attention_available() -> bool:
     """`torch.ops.kvpool_attn.paged_attention_out`; `KVPOOL_NATIVE_ATTENTION=0` keeps torch's path."""
     ok = _available("kvpool_attn_kernels", ATTENTION_SOURCE, "native paged attention", "the torch path",

@@ -7,7 +7,8 @@
 // `Tensor.to(torch.bfloat16)` made the dense bf16 copy), so the kernel multiplies by the dense
 // copy's weights bit for bit; products accumulate in float32 and the output is rounded to
 // bfloat16 once, as oneDNN's bf16 GEMM does. AVX512-BF16 dot products where the CPU has them,
-// AVX2 + FMA or scalar loops elsewhere.
+// AVX2 + FMA or scalar loops elsewhere; for mid-size bf16 batches, AMX tiles (q4_linear_amx,
+// q8_linear_amx: the same weights, see below) where the CPU has them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -16,10 +17,20 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <string>
+#include <vector>
 #include <utility>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVPOOL_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
 #endif
 
 namespace {
@@ -265,26 +276,246 @@ void check_groups(const at::Tensor& x, const at::Tensor& scale, int64_t n_out) {
               "scale: contiguous float32 [N, K/32]");
 }
 
-at::Tensor q4_linear_any(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
-  if (x.scalar_type() != at::kBFloat16) return q4_linear(x, qs, scale, mins);
+Q4Format q4_format(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs: contiguous uint8 [N, K/2]");
-  const int64_t n_out = qs.size(0);
-  check_groups(x, scale, n_out);
+  check_groups(x, scale, qs.size(0));
   TORCH_CHECK(qs.size(1) * 2 == x.size(1), "qs: [N, K/2]");
   TORCH_CHECK(mins.sizes() == scale.sizes() && mins.scalar_type() == at::kFloat && mins.is_contiguous(),
               "mins: contiguous float32 like scale");
-  const Q4Format f{qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), mins.data_ptr<float>(), x.size(1) / kGroup};
-  return linear_bf16(f, x, n_out);
+  return {qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), mins.data_ptr<float>(), x.size(1) / kGroup};
+}
+
+Q8Format q8_format(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous(), "qs: contiguous int8 [N, K]");
+  check_groups(x, scale, qs.size(0));
+  TORCH_CHECK(qs.size(1) == x.size(1), "qs: [N, K]");
+  return {qs.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(1) / kGroup};
+}
+
+at::Tensor q4_linear_any(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
+  if (x.scalar_type() != at::kBFloat16) return q4_linear(x, qs, scale, mins);
+  return linear_bf16(q4_format(x, qs, scale, mins), x, qs.size(0));
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "q8_linear: x must be bfloat16");
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous(), "qs: contiguous int8 [N, K]");
-  const int64_t n_out = qs.size(0);
-  check_groups(x, scale, n_out);
-  TORCH_CHECK(qs.size(1) == x.size(1), "qs: [N, K]");
-  const Q8Format f{qs.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(1) / kGroup};
-  return linear_bf16(f, x, n_out);
+  return linear_bf16(q8_format(x, qs, scale), x, qs.size(0));
+}
+
+
+// --- bfloat16 activations on AMX tiles -------------------------------------------------------
+// Mid-size batches (a decode step of ~4-32 rows): the vdpbf16ps loops above pay a dot product
+// per 32 weights per row, so they are compute-bound there, while the dense AMX GEMM streams
+// 2.7x more weight bytes. Here each block of 16 output rows of W is dequantized once (the same
+// bf16 weights, bit for bit) into a scratch strip whose 16 x 32 slices are AMX A tiles (a
+// group per tile row), and the activations, packed once per call into VNNI B tiles (pairs of K
+// for 16 rows), pass over it: tile C = W_block . x^T, float32 accumulation, rounded to bf16 once.
+
+#ifdef KVPOOL_AMX
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kPassBlocks = 4;  // C tiles 0-3: 64 activation rows per pass over a strip
+
+struct TileConfig {  // the palette-1 layout LDTILECFG reads
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+std::string amx_setup() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
+    return "this CPU lacks AMX-TILE/AMX-BF16 (the kernel was built on another machine)";
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // asm/prctl.h, the AMX tile state
+  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) != 0)
+    return std::string("arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed: ") + std::strerror(errno);
+  return "";
+}
+
+const std::string& amx_unavailable_reason() {
+  static const std::string reason = amx_setup();  // once per process, before any tile instruction
+  return reason;
+}
+
+void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = kTileRows, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// float32 -> bf16, to nearest even as c10::BFloat16(float) rounds (NaN -> 0x7fc0)
+inline __m256i round_to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// Activations [M, K] -> B tiles [K/32][ceil(M/16)][16 pairs of K][16 rows], zero past M.
+at::Tensor pack_activations(const at::Tensor& x) {
+  const int64_t rows = x.size(0), pairs = x.size(1) / 2, blocks = (rows + kTileRows - 1) / kTileRows;
+  at::Tensor packed = at::zeros({pairs / kTileRows, blocks, kTileRows, kTileRows}, x.options().dtype(at::kInt));
+  const auto* src = reinterpret_cast<const uint32_t*>(x.data_ptr<bf16>());
+  auto* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  for (int64_t m = 0; m < rows; ++m) {
+    uint32_t* out = dst + (m / kTileRows) * kTileRows * kTileRows + m % kTileRows;
+    for (int64_t p = 0; p < pairs; ++p)
+      out[(p / kTileRows) * blocks * kTileRows * kTileRows + (p % kTileRows) * kTileRows] = src[m * pairs + p];
+  }
+  return packed;
+}
+
+// Output rows n0.. n0 + 15 of W as the strip's bf16 rows (row stride k), rows past `outputs`
+// zero; row by row, so each row's groups are read as one stream. Q4_1: a group's 16 possible
+// weights d * q + m (multiply, then add, as in group16) are rounded to bf16 once, two rows'
+// tables in one vector, and the nibbles pick them (vpermw).
+void make_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip, int64_t k) {
+  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                         0x0004000400040004, 0, 0, 0, 0);  // words 16-31: high nibbles
+  const __m512i low4 = _mm512_set1_epi16(15), second = _mm512_set1_epi16(16);
+  const auto nibbles = [&](int64_t i) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f.qs + i * 16));
+    return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes)), shift);
+  };
+  for (int64_t r = 0; r < kTileRows; r += 2) {
+    bf16* dst = strip + r * k;
+    if (r >= outputs) {
+      std::memset(dst, 0, 2 * k * sizeof(bf16));
+      continue;
+    }
+    const bool pair = r + 1 < outputs;
+    const int64_t row0 = (n0 + r) * f.groups, row1 = (n0 + r + pair) * f.groups;  // no pair: row r twice
+    for (int64_t g = 0; g < f.groups; ++g) {
+      const int64_t i0 = row0 + g, i1 = row1 + g;
+      const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i0])), _mm512_set1_ps(f.mins[i0]));
+      const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i1])), _mm512_set1_ps(f.mins[i1]));
+      const __m512bh tables = _mm512_cvtne2ps_pbh(t1, t0);  // words 0-15: row r's, 16-31: row r + 1's
+      const __m512i table = reinterpret_cast<const __m512i&>(tables);
+      _mm512_storeu_si512(dst + g * kGroup, _mm512_permutexvar_epi16(_mm512_and_si512(nibbles(i0), low4), table));
+      const __m512i pick1 = _mm512_ternarylogic_epi32(nibbles(i1), low4, second, 0xEA);  // (q & 15) | 16
+      _mm512_storeu_si512(dst + k + g * kGroup, _mm512_permutexvar_epi16(pick1, table));
+    }
+    if (!pair) std::memset(dst + k, 0, k * sizeof(bf16));
+  }
+}
+
+void make_strip(const Q8Format& f, int64_t n0, int64_t outputs, bf16* strip, int64_t k) {
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    bf16* dst = strip + r * k;
+    if (r >= outputs) {
+      std::memset(dst, 0, k * sizeof(bf16));
+      continue;
+    }
+    for (int64_t g = 0; g < f.groups; ++g) {
+      const auto [lo, hi] = f.group16(n0 + r, g);
+      const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);  // to nearest even, as in rows_bf16
+      _mm512_storeu_si512(dst + g * kGroup, reinterpret_cast<const __m512i&>(w));
+    }
+  }
+}
+
+// One pass over a strip: C tiles 0..B-1 = strip . (B tiles of the pass), over every group of
+// K (A tile 4, B tiles 5 6 7, 5 again for a fourth row block; the intrinsics take literal
+// tile numbers).
+template <int B>
+void tile_pass(const bf16* strip, int64_t k, const int32_t* xg, int64_t group_stride) {
+  _tile_zero(0);
+  if constexpr (B > 1) _tile_zero(1);
+  if constexpr (B > 2) _tile_zero(2);
+  if constexpr (B > 3) _tile_zero(3);
+  constexpr int64_t tile = kTileRows * kTileRows;
+  for (int64_t g = 0; g < k / kGroup; ++g, xg += group_stride) {
+    _tile_loadd(4, strip + g * kGroup, k * sizeof(bf16));
+    _tile_loadd(5, xg, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (B > 1) { _tile_loadd(6, xg + tile, 64); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (B > 2) { _tile_loadd(7, xg + 2 * tile, 64); _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (B > 3) { _tile_loadd(5, xg + 3 * tile, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+}
+
+// C tile [16 outputs][16 rows] -> y[row][n0 + output] for the rows and outputs that exist.
+void store_transposed(const float* c, bf16* y, int64_t n_out, int64_t rows, int64_t outputs) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(kTileRows));
+  const __mmask16 valid = static_cast<__mmask16>((1u << outputs) - 1);
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, column, c + m, 4);
+    _mm256_mask_storeu_epi16(y + m * n_out, valid, round_to_bf16(v));
+  }
+}
+
+template <class Fmt>
+at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
+  TORCH_CHECK(amx_unavailable_reason().empty(), "AMX kernel unavailable: ", amx_unavailable_reason());
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1), blocks = (rows + kTileRows - 1) / kTileRows;
+  at::Tensor y = at::empty({rows, n_out}, xc.options());
+  if (rows == 0 || n_out == 0) return y;
+  const at::Tensor packed = pack_activations(xc);
+  const int32_t* xp = packed.data_ptr<int32_t>();
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t group_stride = blocks * kTileRows * kTileRows;
+  const auto outputs_of = [&](int64_t nb) { return std::min(kTileRows, n_out - nb * kTileRows); };
+  at::parallel_for(0, (n_out + kTileRows - 1) / kTileRows, 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    thread_local std::vector<bf16> strips;  // two strips: one in the tile unit while the next is made
+    strips.resize(2 * kTileRows * k);
+    alignas(64) float c[kPassBlocks][kTileRows * kTileRows];
+    make_strip(f, begin * kTileRows, outputs_of(begin), strips.data(), k);
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n0 = nb * kTileRows, outputs = outputs_of(nb);
+      const bf16* strip = strips.data() + ((nb - begin) & 1) * kTileRows * k;
+      bf16* next = strips.data() + ((nb - begin + 1) & 1) * kTileRows * k;
+      for (int64_t b0 = 0; b0 < blocks; b0 += kPassBlocks) {
+        const int64_t pass = std::min(kPassBlocks, blocks - b0);
+        const int32_t* xg = xp + b0 * kTileRows * kTileRows;
+        switch (pass) {
+          case 1: tile_pass<1>(strip, k, xg, group_stride); break;
+          case 2: tile_pass<2>(strip, k, xg, group_stride); break;
+          case 3: tile_pass<3>(strip, k, xg, group_stride); break;
+          default: tile_pass<4>(strip, k, xg, group_stride); break;
+        }
+        if (b0 == 0 && nb + 1 < end) make_strip(f, n0 + kTileRows, outputs_of(nb + 1), next, k);
+        _tile_stored(0, c[0], 64);
+        if (pass > 1) _tile_stored(1, c[1], 64);
+        if (pass > 2) _tile_stored(2, c[2], 64);
+        if (pass > 3) _tile_stored(3, c[3], 64);
+        for (int64_t b = 0; b < pass; ++b) {
+          const int64_t m0 = (b0 + b) * kTileRows;
+          store_transposed(c[b], yp + m0 * n_out + n0, n_out, std::min(kTileRows, rows - m0), outputs);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+#else
+const std::string& amx_unavailable_reason() {
+  static const std::string reason = "the kernel was built without AMX-TILE/AMX-BF16 (-march=native on this CPU)";
+  return reason;
+}
+
+template <class Fmt>
+at::Tensor linear_amx(const Fmt&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "AMX kernel unavailable: ", amx_unavailable_reason());
+}
+#endif
+
+std::string amx_unavailable() { return amx_unavailable_reason(); }
+
+at::Tensor q4_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "q4_linear_amx: x must be bfloat16");
+  const Q4Format f = q4_format(x, qs, scale, mins);
+  return linear_amx(f, x, qs.size(0));
+}
+
+at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "q8_linear_amx: x must be bfloat16");
+  const Q8Format f = q8_format(x, qs, scale);
+  return linear_amx(f, x, qs.size(0));
 }
 
 }  // namespace
@@ -292,8 +523,13 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 TORCH_LIBRARY(kvpool, m) {
   m.def("q4_linear(Tensor x, Tensor qs, Tensor scale, Tensor mins) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qs, Tensor scale) -> Tensor");
+  m.def("q4_linear_amx(Tensor x, Tensor qs, Tensor scale, Tensor mins) -> Tensor");
+  m.def("q8_linear_amx(Tensor x, Tensor qs, Tensor scale) -> Tensor");
+  m.def("amx_unavailable() -> str", amx_unavailable);
 }
 TORCH_LIBRARY_IMPL(kvpool, CPU, m) {
   m.impl("q4_linear", q4_linear_any);
   m.impl("q8_linear", q8_linear);
+  m.impl("q4_linear_amx", q4_linear_amx);
+  m.impl("q8_linear_amx", q8_linear_amx);
 }

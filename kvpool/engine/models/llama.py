@@ -21,14 +21,7 @@ from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention,
 from kvpool.engine.kernels import fused_ops_available, q4_linear_available
 from kvpool.engine.models import fused
 from kvpool.engine.models.config import ModelConfig, rope_inv_freq
-from kvpool.engine.models.quantized import (
-    HEAD_MAX_ROWS_BF16,
-    MAX_ROWS,
-    MAX_ROWS_BF16,
-    Q4Linear,
-    Q8Linear,
-    q4_groups,
-)
+from kvpool.engine.models.quantized import Q4Linear, Q8Linear, q4_groups, row_limits
 from kvpool.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -354,7 +347,7 @@ class LlamaForCausal(nn.Module):
             return
         q4_kernels = q4_kernels and q4_linear_available()
         bf16 = self.embed_tokens.weight.dtype == torch.bfloat16
-        max_rows = MAX_ROWS_BF16 if bf16 else MAX_ROWS
+        vector_rows, max_rows = row_limits(bf16) if q4_kernels else (0, 0)
         served_q4 = 0
         for i, layer in enumerate(tqdm(self.layers, desc="packing weights", unit="layer", leave=False, disable=None)):
             attn, mlp = layer.self_attn, layer.mlp
@@ -364,14 +357,15 @@ class LlamaForCausal(nn.Module):
                 groups = self._groups(f"layers.{i}.{'self_attn' if owner is attn else 'mlp'}.{name}", lin.weight,
                                       bf16) if q4_kernels else None
                 if groups is not None:
-                    packed, served_q4 = Q4Linear(packed, groups, packed.bias, max_rows), served_q4 + 1
+                    packed, served_q4 = Q4Linear(packed, groups, packed.bias, max_rows, vector_rows), served_q4 + 1
                 setattr(owner, name, packed)
         head_name = "embed_tokens.weight" if self.lm_head is None else "lm_head"
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         self._packed_head = PackedLinear(head, None)
         head_groups = self.quant_groups.get(head_name) if q4_kernels and bf16 else None
         if head_groups is not None and len(head_groups) == 2:
-            self._packed_head = Q8Linear(self._packed_head, head_groups, None, HEAD_MAX_ROWS_BF16)
+            head_vector, head_max = row_limits(bf16, head=True)
+            self._packed_head = Q8Linear(self._packed_head, head_groups, None, head_max, head_vector)
         self.quant_groups = {}
         self.q4_rows = max_rows if served_q4 else 0
         if bf16:
@@ -379,7 +373,7 @@ class LlamaForCausal(nn.Module):
         if q4_kernels:
             logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups%s",
                         served_q4, 4 * len(self.layers), max_rows,
-                        f"; the LM head <= {HEAD_MAX_ROWS_BF16} rows from 8-bit groups"
+                        f"; the LM head <= {self._packed_head.max_rows} rows from 8-bit groups"
                         if isinstance(self._packed_head, Q8Linear) else "")
 
     def _groups(self, name: str, weight: Tensor, bf16: bool) -> tuple[Tensor, ...] | None:

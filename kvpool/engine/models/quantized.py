@@ -14,12 +14,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from kvpool.engine.kernels import q4_amx_available
+
 GROUP = 32
 # Above these a batch is compute-bound and the dense packed GEMM (AMX under bf16) is faster:
-# the kernels' dot products cost rows x weights, AMX's a sixteenth (figures in docs/architecture.md).
+# the vector kernels' dot products cost rows x weights, AMX's a sixteenth. Under bf16 with AMX
+# a third kernel dequantizes the groups into AMX tiles: it pays the dequantization once per
+# weight whatever the rows, so it takes over from the vector kernel at 4 rows and beats the
+# dense copy up to ~32 (cold weights; figures in docs/architecture.md).
 MAX_ROWS = 16  # float32 activations
-MAX_ROWS_BF16 = 8
+MAX_ROWS_BF16 = 3  # the vector (vdpbf16ps) kernel where the AMX one runs
+VECTOR_ONLY_MAX_ROWS_BF16 = 8  # ... and where it does not
 HEAD_MAX_ROWS_BF16 = 4  # the LM head over Q8_0 groups
+AMX_MAX_ROWS_BF16 = 32  # the AMX kernel, above MAX_ROWS_BF16
+# The head's AMX kernel lost to oneDNN at every row count measured (its 56 MB bf16 copy stays
+# in this CPU's 300 MB L3): off until a machine shows otherwise.
+HEAD_AMX_MAX_ROWS_BF16 = HEAD_MAX_ROWS_BF16
+
+
+def row_limits(bf16: bool, head: bool = False) -> tuple[int, int]:
+    """(rows up to which the vector kernel runs, rows up to which the groups serve at all):
+    the AMX kernel takes the rows between, where this CPU and kernel build have it."""
+    if not bf16:
+        return MAX_ROWS, MAX_ROWS
+    if head:
+        vector, tiles, alone = HEAD_MAX_ROWS_BF16, HEAD_AMX_MAX_ROWS_BF16, HEAD_MAX_ROWS_BF16
+    else:
+        vector, tiles, alone = MAX_ROWS_BF16, AMX_MAX_ROWS_BF16, VECTOR_ONLY_MAX_ROWS_BF16
+    return (vector, tiles) if tiles > vector and q4_amx_available() else (alone, alone)
 
 
 def q4_groups(weight: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -87,25 +109,36 @@ def model_groups(model: nn.Module, head: str) -> dict[str, tuple[Tensor, ...]]:
 
 class Q4Linear(nn.Module):
     """A frozen Linear with two copies of its weight: 4-bit groups for batches of at most
-    `max_rows` rows (weight-bandwidth bound), the dense module for larger ones. The kernel
-    takes float32 or bfloat16 activations and returns their dtype."""
+    `max_rows` rows (weight-bandwidth bound), the dense module for larger ones. Batches of up
+    to `vector_rows` (default: all of them) run the vector kernel, float32 or bfloat16, larger
+    ones the AMX kernel (bfloat16). Results come back in the activations' dtype."""
 
     def __init__(
-        self, dense: nn.Module, groups: tuple[Tensor, ...], bias: Tensor | None, max_rows: int = MAX_ROWS
+        self,
+        dense: nn.Module,
+        groups: tuple[Tensor, ...],
+        bias: Tensor | None,
+        max_rows: int = MAX_ROWS,
+        vector_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.dense = dense
         self.groups = groups
         self.bias = bias
         self.max_rows = max_rows
+        self.vector_rows = max_rows if vector_rows is None else vector_rows
 
     def kernel(self, x: Tensor) -> Tensor:
         return torch.ops.kvpool.q4_linear(x, *self.groups)
 
+    def tile_kernel(self, x: Tensor) -> Tensor:
+        return torch.ops.kvpool.q4_linear_amx(x, *self.groups)
+
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[0] > self.max_rows:
+        rows = x.shape[0]
+        if rows > self.max_rows:
             return self.dense(x)
-        y = self.kernel(x)
+        y = self.kernel(x) if rows <= self.vector_rows else self.tile_kernel(x)
         return y if self.bias is None else y + self.bias
 
 
@@ -114,3 +147,6 @@ class Q8Linear(Q4Linear):
 
     def kernel(self, x: Tensor) -> Tensor:
         return torch.ops.kvpool.q8_linear(x, *self.groups)
+
+    def tile_kernel(self, x: Tensor) -> Tensor:
+        return torch.ops.kvpool.q8_linear_amx(x, *self.groups)
