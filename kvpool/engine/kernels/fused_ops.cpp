@@ -1,8 +1,10 @@
-// Per-layer elementwise work of a bf16 decode step in one op each, where torch runs 5-9:
-// RMSNorm (+ the residual add before it), SiLU(gate) * up, and RoPE on Q and K with the K/V
-// write into the paged cache. A decode step at batch 8 is ~1,700 small ops, so dispatch, not
-// arithmetic, is what these save. Each op rounds to bfloat16 where torch's sequence of bf16 ops
-// rounds, so results match those ops but for float32 summation order (norm) and exp's last bits.
+// Per-layer elementwise work of a bf16 step in one op each, where torch runs 5-9: RMSNorm
+// (+ the residual add before it), SiLU(gate) * up, and RoPE on Q and K with the K/V write into
+// the paged cache. In a decode step (~1,700 small ops at batch 8) they save dispatch; in a
+// prefill step they save the memory passes of torch's op chain (each op reads and writes the
+// whole activation). Each op rounds to bfloat16 where torch's sequence of bf16 ops rounds, so
+// results match those ops but for float32 summation order (norm) and exp's last bits. Every row
+// is computed alone, whatever else the batch holds.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -20,8 +22,9 @@
 namespace {
 
 using bf16 = c10::BFloat16;
-// Rows one thread takes: a decode step's elementwise work is microseconds, less than waking a
-// second thread costs (on a shared machine far less), so steps of up to 64 rows stay on one.
+// Rows one thread takes at least: a decode step's elementwise work is microseconds, less than
+// waking a second thread costs (on a shared machine far less), so steps of up to 64 rows stay on
+// one; prefill steps split their rows over every thread.
 constexpr int64_t kRowsPerThread = 64;
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
@@ -31,12 +34,60 @@ void check_bf16_rows(const at::Tensor& t, const char* name) {
               name, ": 2-D bfloat16 CPU tensor with contiguous rows");
 }
 
+#ifdef __AVX512F__
+// exp on 16 lanes, x clamped to [-87, 88]: 2^k * p(r), r = x - k ln2, |r| <= ln2/2, degree-6
+// polynomial (relative error ~2e-7, below bf16's 4e-3).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x);
+  const __m512 rr = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+
+inline __m512 load16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline __m512 round16(__m512 v) {  // to bf16, nearest even, kept as float32 (finite values)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+inline void store16(bf16* p, __m512 rounded) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+#endif
+
 // One row: sum = x + residual (bf16 add) when residual is given; out = w * bf16(sum * rsqrt(mean(sum^2) + eps)),
 // the product rounded again: torch's `weight * normed.to(bf16)`.
 void norm_row(const bf16* x, const bf16* residual, const bf16* w, float eps, int64_t n, bf16* out, bf16* sum_out,
               float* scratch) {
   float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = load16(x + i);
+    if (residual != nullptr) {
+      v = round16(_mm512_add_ps(v, load16(residual + i)));
+      store16(sum_out + i, v);
+    }
+    _mm512_storeu_ps(scratch + i, v);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
     float v = static_cast<float>(x[i]);
     if (residual != nullptr) {
       v = round_bf16(v + static_cast<float>(residual[i]));
@@ -46,7 +97,13 @@ void norm_row(const bf16* x, const bf16* residual, const bf16* w, float eps, int
     ss += v * v;
   }
   const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16(static_cast<float>(w[i]) * round_bf16(scratch[i] * r));
+  i = 0;
+#ifdef __AVX512F__
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; i + 16 <= n; i += 16)
+    store16(out + i, round16(_mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(_mm512_loadu_ps(scratch + i), rv)))));
+#endif
+  for (; i < n; ++i) out[i] = bf16(static_cast<float>(w[i]) * round_bf16(scratch[i] * r));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
@@ -83,39 +140,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return add_rms_norm_impl(x, residual, weight, eps);
 }
 
-#ifdef __AVX512F__
-// exp on 16 lanes, x clamped to [-87, 88]: 2^k * p(r), r = x - k ln2, |r| <= ln2/2, degree-6
-// polynomial (relative error ~2e-7, below bf16's 4e-3).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x);
-  const __m512 rr = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
-}
-
-inline __m512 load16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-inline __m512 round16(__m512 v) {  // to bf16, nearest even, kept as float32 (finite values)
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
-inline void store16(bf16* p, __m512 rounded) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
-}
-#endif
 
 // out = bf16(bf16(silu(gate)) * up), torch's F.silu then `*` in bf16.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
@@ -176,7 +200,15 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         const bf16* x = row + h * d;
         bf16* dst = h < heads ? q.data_ptr<bf16>() + (i * heads + h) * d : k.data_ptr<bf16>() + (i * kv_heads + h - heads) * d;
-        for (int64_t j = 0; j < half; ++j) {
+        int64_t j = 0;
+#ifdef __AVX512F__
+        for (; j + 16 <= half; j += 16) {
+          const __m512 x1 = load16(x + j), x2 = load16(x + j + half), cj = load16(c + j), sj = load16(s + j);
+          store16(dst + j, round16(_mm512_sub_ps(round16(_mm512_mul_ps(x1, cj)), round16(_mm512_mul_ps(x2, sj)))));
+          store16(dst + j + half, round16(_mm512_add_ps(round16(_mm512_mul_ps(x2, cj)), round16(_mm512_mul_ps(x1, sj)))));
+        }
+#endif
+        for (; j < half; ++j) {
           const float x1 = static_cast<float>(x[j]), x2 = static_cast<float>(x[j + half]);
           const float cj = static_cast<float>(c[j]), sj = static_cast<float>(s[j]);
           dst[j] = bf16(round_bf16(x1 * cj) - round_bf16(x2 * sj));
