@@ -4,7 +4,7 @@
 // prefill step they save the memory passes of torch's op chain (each op reads and writes the
 // whole activation). Each op rounds to bfloat16 where torch's sequence of bf16 ops rounds, so
 // results match those ops but for float32 summation order (norm) and exp's last bits. Every row
-// is computed alone, whatever else the batch holds.
+// is computed alone; only the norm's summation order depends on the step's size (see norm_row).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -70,13 +70,15 @@ inline void store16(bf16* p, __m512 rounded) {
 
 // One row: sum = x + residual (bf16 add) when residual is given; out = w * bf16(sum * rsqrt(mean(sum^2) + eps)),
 // the product rounded again: torch's `weight * normed.to(bf16)`.
+// `lanes`: sum the squares in 16 float32 lanes (prefill steps); otherwise in one running sum,
+// element by element, as decode steps always have (their tokens stay those of earlier builds).
 void norm_row(const bf16* x, const bf16* residual, const bf16* w, float eps, int64_t n, bf16* out, bf16* sum_out,
-              float* scratch) {
+              float* scratch, bool lanes) {
   float ss = 0.f;
   int64_t i = 0;
 #ifdef __AVX512F__
   __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
+  for (; lanes && i + 16 <= n; i += 16) {
     __m512 v = load16(x + i);
     if (residual != nullptr) {
       v = round16(_mm512_add_ps(v, load16(residual + i)));
@@ -120,12 +122,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_impl(const at::Tensor& x, const 
   at::Tensor out = at::empty({rows, n}, x.options());
   at::Tensor sum = add ? at::empty({rows, n}, x.options()) : x;
   const bf16* wp = weight.data_ptr<bf16>();
+  const bool lanes = rows > kRowsPerThread;
   at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(n);
     for (int64_t r = begin; r < end; ++r) {
       norm_row(x.data_ptr<bf16>() + r * x.stride(0), add ? residual->data_ptr<bf16>() + r * residual->stride(0) : nullptr,
                wp, static_cast<float>(eps), n, out.data_ptr<bf16>() + r * n,
-               add ? sum.data_ptr<bf16>() + r * n : nullptr, scratch.data());
+               add ? sum.data_ptr<bf16>() + r * n : nullptr, scratch.data(), lanes);
     }
   });
   return {out, sum};
