@@ -133,33 +133,34 @@ class AttentionMetadata:
                 raise InvalidRequest(
                     f"sequence {i}: seq_len={s} exceeds its {len(bt)} blocks x {block_size} slots"
                 )
+        # Per-token lists in python, then one tensor for every int64 field: a decode step's
+        # metadata is a few dozen numbers, far cheaper to compute here than as torch ops.
         num_seqs = len(query_lens)
         width = max(len(bt) for bt in block_tables)
-        bt_t = torch.zeros((num_seqs, width), dtype=torch.int64)
-        for i, bt in enumerate(block_tables):
-            bt_t[i, : len(bt)] = torch.tensor(bt, dtype=torch.int64)
-        bt_t.clamp_(min=0)  # a window group's freed blocks (-1): outside every window, masked or skipped
-        q_t = torch.tensor(query_lens, dtype=torch.int64)
-        s_t = torch.tensor(seq_lens, dtype=torch.int64)
-        qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        torch.cumsum(q_t, 0, out=qsl[1:])
-        total = int(qsl[-1])
-        token_seq = torch.repeat_interleave(torch.arange(num_seqs), q_t)
-        positions = torch.arange(total) - qsl[token_seq] + (s_t - q_t)[token_seq]
-        slots = bt_t[token_seq, positions // block_size] * block_size + positions % block_size
-
+        qsl = [0]
+        positions: list[int] = []
+        slots: list[int] = []
+        token_seq: list[int] = []
+        for i, (q, s, bt) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+            qsl.append(qsl[-1] + q)
+            positions.extend(range(s - q, s))
+            token_seq.extend([i] * q)
+            p = s - q
+            while p < s:  # the run of slots in each block the new tokens fill
+                b, off = divmod(p, block_size)
+                n = min(block_size - off, s - p)
+                base = max(bt[b], 0) * block_size
+                slots.extend(range(base + off, base + off + n))
+                p += n
         dec = [i for i, q in enumerate(query_lens) if q == 1]
-        dec_t = torch.tensor(dec, dtype=torch.int64)
         dec_max = max((seq_lens[i] for i in dec), default=0)
         dec_blocks = -(-dec_max // block_size)
-        span = dec_blocks * block_size
-        # Additive float masks: SDPA's CPU kernel takes a much slower path for boolean ones.
-        dec_mask = _additive((torch.arange(span) < s_t[dec_t].unsqueeze(1)).view(len(dec), 1, 1, span))
+        dec_ids = [b for i in dec for b in (block_tables[i] + [0] * dec_blocks)[:dec_blocks]]
         prefills = []
         for i, q in enumerate(query_lens):
             if q == 1:
                 continue
-            s, start = seq_lens[i], int(qsl[i])
+            s, start = seq_lens[i], qsl[i]
             mask = None
             if s != q:  # cached context: token j sees positions <= s - q + j
                 mask = _additive(torch.arange(s).unsqueeze(0) <= torch.arange(s - q, s).unsqueeze(1))
@@ -168,23 +169,41 @@ class AttentionMetadata:
         sdpa_chunks = [j for j, c in enumerate(prefills) if c.end - c.start >= SDPA_MIN]
         on_sdpa = {prefills[j].seq for j in sdpa_chunks}
         native = [i for i in range(num_seqs) if i not in on_sdpa]
+        parts = (slots, qsl, seq_lens, positions, token_seq, [qsl[i] for i in dec], dec_ids,
+                 [seq_lens[i] for i in dec], native, [b for bt in block_tables for b in bt + [0] * (width - len(bt))])
+        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
+        views, at = [], 0
+        for part in parts:
+            views.append(flat[at : at + len(part)])
+            at += len(part)
+        slots_t, qsl_t, s_t, pos_t, seq_t, dec_rows, dec_ids_t, dec_lens, native_t, bt_flat = views
+        bt_t = bt_flat.view(num_seqs, width).clamp_(min=0)  # a window group's freed blocks (-1): masked or skipped
+        dec_ids_t.clamp_(min=0)
+        span = dec_blocks * block_size
+        # Additive float masks: SDPA's CPU kernel takes a much slower path for boolean ones.
+        dec_mask = _additive((torch.arange(span) < dec_lens.unsqueeze(1)).view(len(dec), 1, 1, span))
+        on_cpu = torch.device(device).type == "cpu"
+
+        def put(t: Tensor) -> Tensor:
+            return t if on_cpu else t.to(device)
+
         return cls(
-            slot_mapping=slots.to(device),
-            query_start_loc=qsl.to(device),
-            seq_lens=s_t.to(device),
-            block_tables=bt_t.to(device),
+            slot_mapping=put(slots_t),
+            query_start_loc=put(qsl_t),
+            seq_lens=put(s_t),
+            block_tables=put(bt_t),
             block_size=block_size,
-            positions=positions.to(device),
-            token_seq=token_seq.to(device),
+            positions=put(pos_t),
+            token_seq=put(seq_t),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            decode_rows=qsl[dec_t].to(device),
-            decode_block_ids=bt_t[dec_t, :dec_blocks].reshape(-1).to(device),
+            decode_rows=put(dec_rows),
+            decode_block_ids=put(dec_ids_t),
             decode_blocks=dec_blocks,
-            decode_mask=dec_mask.to(device),
-            decode_seq_lens=s_t[dec_t].to(device),
+            decode_mask=put(dec_mask),
+            decode_seq_lens=put(dec_lens),
             prefills=prefills,
-            native_seqs=torch.tensor(native, dtype=torch.int64),
+            native_seqs=native_t,
             sdpa_chunks=sdpa_chunks,
         )
 

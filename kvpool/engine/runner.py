@@ -84,6 +84,8 @@ class ModelRunner:
         self.last_hidden = hidden  # every computed row of the step, for prompt logprobs
         if not last_rows:
             return hidden.new_empty((0, self.config.vocab_size))
+        if len(last_rows) == hidden.shape[0]:  # every row samples (a decode step): no gather
+            return self.model.compute_logits(hidden)
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
 

@@ -190,9 +190,9 @@ def sample(logits: Tensor, params: list[RowParams], allowed: Tensor | None = Non
         raise InvalidRequest(f"{logits.shape[0]} logits rows but {len(params)} sampling params")
     raw = logits = logits.float()
     logits = process_logits(logits, params, allowed)
-    t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
     chosen = logits.argmax(-1)
-    if not t.all_greedy:
+    if not all(p.temperature < _GREEDY_EPS for p in params):  # an all-greedy batch needs no [N] tensors
+        t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
         probs = apply_filters(logits, t).softmax(-1)
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
         noise = torch.empty_like(probs)

@@ -1,4 +1,4 @@
-"""Fused per-layer ops for bf16 decode steps: each equals the torch ops it replaces."""
+"""Fused per-layer ops for bf16 steps: each equals the torch ops it replaces."""
 
 from __future__ import annotations
 
@@ -54,10 +54,10 @@ def test_silu_mul_matches_torch_to_one_bf16_step():
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
-def test_rope_and_kv_write_equal_torch_bit_for_bit(heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,t", [(9, 3, 7), (4, 4, 7), (9, 3, 150)])
+def test_rope_and_kv_write_equal_torch_bit_for_bit(heads, kv_heads, t):
     gen = torch.Generator().manual_seed(2)
-    t, d, blocks, bs = 7, 64, 6, 4
+    d, blocks, bs = 64, 40, 4
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(BF16)
     angles = torch.rand(t, 1, d // 2, generator=gen) * 50
     cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
@@ -73,7 +73,51 @@ def test_rope_and_kv_write_equal_torch_bit_for_bit(heads, kv_heads):
         fused.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots + blocks * bs, heads, kv_heads)
 
 
-def test_float32_and_large_steps_keep_torch_ops():
-    """float32 is the exact path the HF tests pin; prefill-sized steps amortize dispatch."""
+def test_float32_keeps_torch_ops():
+    """float32 is the exact path the HF tests pin; bf16 steps of any row count take the fused ops."""
     assert not fused.usable(torch.zeros(4, 8))
-    assert not fused.usable(torch.zeros(fused.MAX_ROWS + 1, 8, dtype=BF16))
+    assert fused.usable(torch.zeros(4096, 8, dtype=BF16)) == fused_ops_available()
+
+
+@needs_kernel
+def test_prefill_sized_rows_match_torch_ops():
+    """Rows past one thread's share (prefill steps split them over threads) and a 16-lane tail."""
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(584, 1e-5).to(BF16)
+    x = (torch.randn(700, 584, generator=gen) * 3).to(BF16)
+    res = torch.randn(700, 584, generator=gen).to(BF16)
+    h, total = fused.add_rms_norm(x, res, norm.weight, norm.eps)
+    assert torch.equal(total, x + res) and ulps(h, torch_norm(x + res, norm)) <= 1
+    gate_up = torch.randn(300, 2 * 1544, generator=gen).to(BF16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(fused.silu_mul(gate_up).float(), (F.silu(gate) * up).float(), rtol=2**-7, atol=1e-30)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [5, 90])
+def test_fused_layer_loop_equals_layer_by_layer_forward(rows):
+    """The residual add carried into the next layer's norm changes no bit of the hidden states
+    (decode-sized and prefill-sized steps, one sequence of `rows` new tokens)."""
+    from kvpool.engine.attention import AttentionMetadata
+    from kvpool.engine.models.config import ModelConfig
+    from kvpool.engine.models.llama import LlamaForCausal, allocate_kv_caches
+
+    torch.manual_seed(4)
+    config = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=32)
+    model = LlamaForCausal(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model = model.to(BF16)
+    assert model._fusable
+    ids = torch.randint(0, 64, (rows,))
+    meta = AttentionMetadata.build([rows], [rows], [list(range(-(-rows // 16)))], 16)
+    outs = []
+    for fusable in (True, False):
+        model._fusable = fusable
+        caches = allocate_kv_caches(config, 8, 16, BF16, "cpu")
+        outs.append((model(ids, meta.positions, caches, meta), caches))
+    (a, ca), (b, cb) = outs
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for pa, pb in zip(ca, cb, strict=True) for x, y in zip(pa, pb, strict=True))

@@ -1,8 +1,10 @@
-// Per-layer elementwise work of a bf16 decode step in one op each, where torch runs 5-9:
-// RMSNorm (+ the residual add before it), SiLU(gate) * up, and RoPE on Q and K with the K/V
-// write into the paged cache. A decode step at batch 8 is ~1,700 small ops, so dispatch, not
-// arithmetic, is what these save. Each op rounds to bfloat16 where torch's sequence of bf16 ops
-// rounds, so results match those ops but for float32 summation order (norm) and exp's last bits.
+// Per-layer elementwise work of a bf16 step in one op each, where torch runs 5-9: RMSNorm
+// (+ the residual add before it), SiLU(gate) * up, and RoPE on Q and K with the K/V write into
+// the paged cache. In a decode step (~1,700 small ops at batch 8) they save dispatch; in a
+// prefill step they save the memory passes of torch's op chain (each op reads and writes the
+// whole activation). Each op rounds to bfloat16 where torch's sequence of bf16 ops rounds, so
+// results match those ops but for float32 summation order (norm) and exp's last bits. Every row
+// is computed alone; only the norm's summation order depends on the step's size (see norm_row).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -20,8 +22,9 @@
 namespace {
 
 using bf16 = c10::BFloat16;
-// Rows one thread takes: a decode step's elementwise work is microseconds, less than waking a
-// second thread costs (on a shared machine far less), so steps of up to 64 rows stay on one.
+// Rows one thread takes at least: a decode step's elementwise work is microseconds, less than
+// waking a second thread costs (on a shared machine far less), so steps of up to 64 rows stay on
+// one; prefill steps split their rows over every thread.
 constexpr int64_t kRowsPerThread = 64;
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
@@ -29,58 +32,6 @@ inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
 void check_bf16_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1,
               name, ": 2-D bfloat16 CPU tensor with contiguous rows");
-}
-
-// One row: sum = x + residual (bf16 add) when residual is given; out = w * bf16(sum * rsqrt(mean(sum^2) + eps)),
-// the product rounded again: torch's `weight * normed.to(bf16)`.
-void norm_row(const bf16* x, const bf16* residual, const bf16* w, float eps, int64_t n, bf16* out, bf16* sum_out,
-              float* scratch) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    float v = static_cast<float>(x[i]);
-    if (residual != nullptr) {
-      v = round_bf16(v + static_cast<float>(residual[i]));
-      sum_out[i] = bf16(v);
-    }
-    scratch[i] = v;
-    ss += v * v;
-  }
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16(static_cast<float>(w[i]) * round_bf16(scratch[i] * r));
-}
-
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                                     const at::Tensor& weight, double eps) {
-  check_bf16_rows(x, "x");
-  const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == n,
-              "weight: bfloat16 [hidden]");
-  const bool add = residual.has_value();
-  if (add) {
-    check_bf16_rows(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "residual: shaped like x");
-  }
-  at::Tensor out = at::empty({rows, n}, x.options());
-  at::Tensor sum = add ? at::empty({rows, n}, x.options()) : x;
-  const bf16* wp = weight.data_ptr<bf16>();
-  at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(n);
-    for (int64_t r = begin; r < end; ++r) {
-      norm_row(x.data_ptr<bf16>() + r * x.stride(0), add ? residual->data_ptr<bf16>() + r * residual->stride(0) : nullptr,
-               wp, static_cast<float>(eps), n, out.data_ptr<bf16>() + r * n,
-               add ? sum.data_ptr<bf16>() + r * n : nullptr, scratch.data());
-    }
-  });
-  return {out, sum};
-}
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return std::get<0>(add_rms_norm_impl(x, c10::nullopt, weight, eps));
-}
-
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                                                double eps) {
-  return add_rms_norm_impl(x, residual, weight, eps);
 }
 
 #ifdef __AVX512F__
@@ -116,6 +67,82 @@ inline void store16(bf16* p, __m512 rounded) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
 }
 #endif
+
+// One row: sum = x + residual (bf16 add) when residual is given; out = w * bf16(sum * rsqrt(mean(sum^2) + eps)),
+// the product rounded again: torch's `weight * normed.to(bf16)`.
+// `lanes`: sum the squares in 16 float32 lanes (prefill steps); otherwise in one running sum,
+// element by element, as decode steps always have (their tokens stay those of earlier builds).
+void norm_row(const bf16* x, const bf16* residual, const bf16* w, float eps, int64_t n, bf16* out, bf16* sum_out,
+              float* scratch, bool lanes) {
+  float ss = 0.f;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (; lanes && i + 16 <= n; i += 16) {
+    __m512 v = load16(x + i);
+    if (residual != nullptr) {
+      v = round16(_mm512_add_ps(v, load16(residual + i)));
+      store16(sum_out + i, v);
+    }
+    _mm512_storeu_ps(scratch + i, v);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    float v = static_cast<float>(x[i]);
+    if (residual != nullptr) {
+      v = round_bf16(v + static_cast<float>(residual[i]));
+      sum_out[i] = bf16(v);
+    }
+    scratch[i] = v;
+    ss += v * v;
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  i = 0;
+#ifdef __AVX512F__
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; i + 16 <= n; i += 16)
+    store16(out + i, round16(_mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(_mm512_loadu_ps(scratch + i), rv)))));
+#endif
+  for (; i < n; ++i) out[i] = bf16(static_cast<float>(w[i]) * round_bf16(scratch[i] * r));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                     const at::Tensor& weight, double eps) {
+  check_bf16_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == n,
+              "weight: bfloat16 [hidden]");
+  const bool add = residual.has_value();
+  if (add) {
+    check_bf16_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual: shaped like x");
+  }
+  at::Tensor out = at::empty({rows, n}, x.options());
+  at::Tensor sum = add ? at::empty({rows, n}, x.options()) : x;
+  const bf16* wp = weight.data_ptr<bf16>();
+  const bool lanes = rows > kRowsPerThread;
+  at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(n);
+    for (int64_t r = begin; r < end; ++r) {
+      norm_row(x.data_ptr<bf16>() + r * x.stride(0), add ? residual->data_ptr<bf16>() + r * residual->stride(0) : nullptr,
+               wp, static_cast<float>(eps), n, out.data_ptr<bf16>() + r * n,
+               add ? sum.data_ptr<bf16>() + r * n : nullptr, scratch.data(), lanes);
+    }
+  });
+  return {out, sum};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(add_rms_norm_impl(x, c10::nullopt, weight, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                                double eps) {
+  return add_rms_norm_impl(x, residual, weight, eps);
+}
+
 
 // out = bf16(bf16(silu(gate)) * up), torch's F.silu then `*` in bf16.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
@@ -176,7 +203,15 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         const bf16* x = row + h * d;
         bf16* dst = h < heads ? q.data_ptr<bf16>() + (i * heads + h) * d : k.data_ptr<bf16>() + (i * kv_heads + h - heads) * d;
-        for (int64_t j = 0; j < half; ++j) {
+        int64_t j = 0;
+#ifdef __AVX512F__
+        for (; j + 16 <= half; j += 16) {
+          const __m512 x1 = load16(x + j), x2 = load16(x + j + half), cj = load16(c + j), sj = load16(s + j);
+          store16(dst + j, round16(_mm512_sub_ps(round16(_mm512_mul_ps(x1, cj)), round16(_mm512_mul_ps(x2, sj)))));
+          store16(dst + j + half, round16(_mm512_add_ps(round16(_mm512_mul_ps(x2, cj)), round16(_mm512_mul_ps(x1, sj)))));
+        }
+#endif
+        for (; j < half; ++j) {
           const float x1 = static_cast<float>(x[j]), x2 = static_cast<float>(x[j + half]);
           const float cj = static_cast<float>(c[j]), sj = static_cast<float>(s[j]);
           dst[j] = bf16(round_bf16(x1 * cj) - round_bf16(x2 * sj));

@@ -147,20 +147,25 @@ class LlamaAttention(nn.Module):
     ) -> Tensor:
         t = meta.num_tokens  # x may carry padding rows past them (see LlamaForCausal.forward)
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)[:t]
+        qkv = self.qkv_proj(x)
+        if qkv.shape[0] != t:
+            qkv = qkv[:t]
         k_cache, v_cache = kv_cache
-        v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
         if self._fused_rope(qkv, cos, k_cache):
             q, k = fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h, hkv)
+            # only prefill chunks read the step's own K/V (decode rows read the cache)
+            new_kv = (k, qkv[:, (h + hkv) * d :].view(t, hkv, d)) if meta.prefills else None
         else:
+            v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
             qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
             if self.qk_norm:
                 qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
             qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, :h], qk[:, h:]
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            new_kv = (k, v)
         out = paged_attention(
-            q, k_cache, v_cache, meta, self.scale, new_kv=(k, v),
+            q, k_cache, v_cache, meta, self.scale, new_kv=new_kv,
             window=self.window, softcap=self.softcap,
         ).reshape(t, h * d)
         return self.o_proj(pad_rows(out, x.shape[0]))
@@ -217,6 +222,26 @@ class LlamaLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
             self.post_feedforward_layernorm = RMSNorm(h, eps, off)
         self.local_rope = config.window(layer) is not None and config.local_rope_theta is not None
+        # Llama-style norms and SiLU: the layer can run on the fused ops (`fused_forward`)
+        self.fusable = not self.sandwich and not off and config.hidden_act == "silu"
+
+    def fused_forward(
+        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> tuple[Tensor, Tensor]:
+        """`forward` on bf16 rows through the fused ops, the residual add carried into the next
+        norm: takes (the previous layer's MLP output, the residual stream before it; None in
+        the first layer, where x is the stream) and returns the same pair. Equals `forward`
+        bit for bit: both round the sum to bf16 before normalizing it."""
+        norm = self.input_layernorm
+        if residual is None:
+            h, residual = fused.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            h, residual = fused.add_rms_norm(x, residual, norm.weight, norm.eps)
+        attn = self.self_attn(h, cos, sin, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        h, residual = fused.add_rms_norm(attn, residual, norm.weight, norm.eps)
+        mlp = self.mlp
+        return mlp.down_proj(fused.silu_mul(mlp.gate_up_proj(h))), residual
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -302,6 +327,7 @@ class LlamaForCausal(nn.Module):
         self.quant_groups: dict[str, tuple[Tensor, ...]] = {}
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.randn(config.vocab_size, config.hidden_size) * 0.02)
+        self._fusable = all(layer.fusable for layer in self.layers) and not config.norm_offset
 
     @torch.inference_mode()
     def forward(
@@ -322,11 +348,30 @@ class LlamaForCausal(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         rope = self.rotary(positions, x.dtype)
         local = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rope
+        if self._fusable and fused.usable(x):
+            return self._fused_layers(x, rope, local, kv_caches, meta, num_tokens)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if self.before_layer is not None:
                 self.before_layer(i)
             x = layer(x, *(local if layer.local_rope else rope), kv_cache, meta.for_layer(i))
         return self.norm(x[:num_tokens])
+
+    def _fused_layers(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], local: tuple[Tensor, Tensor], kv_caches: list[KVCache],
+        meta: AttentionMetadata, num_tokens: int,
+    ) -> Tensor:
+        """The layer loop of `forward` on the fused ops (every layer `fusable`, bf16 rows)."""
+        residual = None
+        before = self.before_layer
+        grouped = meta.layer_metas is not None
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if before is not None:
+                before(i)
+            cos, sin = local if layer.local_rope else rope
+            x, residual = layer.fused_forward(x, residual, cos, sin, kv_cache, meta.for_layer(i) if grouped else meta)
+        if residual is None:  # no layers
+            return self.norm(x[:num_tokens])
+        return fused.add_rms_norm(x[:num_tokens], residual[:num_tokens], self.norm.weight, self.norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
