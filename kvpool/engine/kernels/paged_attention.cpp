@@ -2,12 +2,18 @@
 // so a step costs the sum of the rows' own contexts (no padding to the longest row, no gather of
 // whole contexts). One work unit is (sequence, KV head, a tile of query tokens): the G query
 // heads of a KV head and up to 16 rows share each K/V tile read (GQA without repeats). Keys are
-// visited in tiles of 16 positions with an online softmax; long units are split across threads
+// visited in tiles of 32 positions with an online softmax; long units are split across threads
 // (flash-decoding) and their partial (max, sum, acc) are merged with log-sum-exp weights.
 //
-// K/V tiles are first converted to fp32 scratch by `load_tile`: fp32 and bf16 caches, and the
-// quantized caches of kvpool/engine/kv_quant.py: per token and KV head D int8 or fp8-e4m3 bytes
-// then a float32 scale, dequantized as float(q) * scale in fp32 (the torch path's expression).
+// AVX-512 path: K/V rows are read in place from fp32 caches and, with AVX512-BF16 and bf16
+// queries, from bf16 caches (q.k by dpbf16: products of bf16 values are exact in fp32, only the
+// summation order differs); a row's 16 scores per half tile come out as one zmm from a
+// transpose-and-add tree, and P.V keeps up to 4 rows' accumulators in registers per V row read.
+// The next tile is prefetched (the caches are cold, a step's layers apart). Other caches go
+// through `load_tile` to fp32 scratch: bf16 under fp32 queries, and the quantized caches of
+// kvpool/engine/kv_quant.py: per token and KV head D int8 or fp8-e4m3 bytes then a float32
+// scale, dequantized as float(q) * scale in fp32 (the torch path's expression). Without
+// AVX-512, or with D not a multiple of 16, everything goes through scalar loops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
