@@ -4,8 +4,8 @@ Every layer first writes the step's new K/V into their slots, then attends, so a
 read a block another sequence of the same batch has just written (shared prefix blocks).
 CPU path: a native kernel (kernels/paged_attention.cpp) runs decode rows and short prefill
 chunks, each row reading only its own context through its block table. Chunks of `SDPA_MIN`
-tokens or more keep SDPA's fused kernel (matmul-bound there, and ~3x faster than the kernel's
-dot products): fresh prompts on the new K/V, chunks over a cached prefix on their own gathered
+tokens or more keep SDPA's fused kernel (matmul-bound there; the kernel wins below 48-64 tokens,
+measured): fresh prompts on the new K/V, chunks over a cached prefix on their own gathered
 blocks, a copy of O(context) amortized over >= SDPA_MIN query rows. Without a
 compiler the torch path runs instead: decode rows as one batched gather + SDPA (padded to the
 longest context), each prefill chunk its own SDPA. CUDA path: a small Triton kernel when triton
