@@ -327,7 +327,7 @@ class LlamaForCausal(nn.Module):
         self.quant_groups: dict[str, tuple[Tensor, ...]] = {}
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.randn(config.vocab_size, config.hidden_size) * 0.02)
-        self._fusable = all(layer.fusable for layer in self.layers) and not config.norm_offset
+        self._fusable = all(layer.fusable for layer in self.layers)
 
     @torch.inference_mode()
     def forward(
