@@ -27,42 +27,62 @@ class Admission:
     _load_ids: itertools.count
     _watermark_blocks: int
 
-    def _admit(self, group: SequenceGroup, out: SchedulerOutput) -> bool:
+    def _admit(self, group: SequenceGroup, out: SchedulerOutput, chunk: int) -> int:
         """Allocate blocks for every live sequence of a waiting group, all or nothing; blocks
-        beyond the device prefix hit that the external store holds are loaded, not computed. A
-        window group gets blocks only up to the first chunk (`_window_upto`); the scheduler
-        reserves each later chunk's as it runs."""
+        beyond the device prefix hit that the external store holds are loaded, not computed.
+        Returns the tokens the first prefill chunk may take (0: not admitted). A window group
+        gets blocks only up to that chunk (`_window_upto`), `chunk` tokens or, where those do
+        not fit, the most that do (a recomputed sequence's prompt can outgrow the first
+        chunk's blocks); the scheduler reserves each later chunk's as it runs."""
         kv = self.kv
         B = self.config.block_size
         plans = []
-        need = 0
         for seq in group.live_seqs:
             hashes = group.prompt_hashes if len(seq.token_ids) == seq.prompt_len else None
             if hashes is None:
                 hashes = kv.prompt_hashes(seq.token_ids, group.cache_salt) if self.config.enable_prefix_caching else []
             hit = self._match(group, seq, hashes)
             ranges = self._store_ranges(group, seq, hashes, hit.num_tokens // B)
-            seq_need = kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges))
+            seq_need = kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges, chunk))
             if ranges and seq_need > kv.pool.num_blocks - self._watermark_blocks:
                 ranges = []  # the hit's window groups alone would never fit: compute instead
-                seq_need = kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges))
-            need += seq_need
             plans.append((seq, hashes, hit, ranges))
-        if need > kv.num_free_blocks - self._watermark_blocks:
-            return False
+        chunk = self._fitting_chunk(plans, chunk)
+        if not chunk:
+            return 0
         for i, (seq, hashes, hit, ranges) in enumerate(plans):
             if i > 0:  # the allocations before may have changed what this one matches
                 planned, hit = hit.num_tokens, self._match(group, seq, hashes)
                 if hit.num_tokens != planned:
                     ranges = self._store_ranges(group, seq, hashes, hit.num_tokens // B)
             cached = kv.allocate(seq.seq_id, seq.token_ids, group.cache_salt, hashes, hit,
-                                 upto=self._window_upto(hit, ranges))
+                                 upto=self._window_upto(hit, ranges, chunk))
             external = self._plan_store_loads(group, seq, hashes, cached // B, ranges, out)
             seq.num_computed_tokens = cached + external * B
             seq.status = SeqStatus.RUNNING
             if group.num_preemptions == 0:
                 group.num_cached_prompt_tokens = seq.num_computed_tokens
-        return True
+        return chunk
+
+    def _fitting_chunk(self, plans: list, chunk: int) -> int:
+        """`chunk`, or with window groups the largest first chunk whose blocks fit the free
+        pool (their blocks grow with the chunk, the others' do not); 0 if none does."""
+        kv = self.kv
+        free = kv.num_free_blocks - self._watermark_blocks
+
+        def fits(c: int) -> bool:
+            return sum(kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges, c))
+                       for seq, _, hit, ranges in plans) <= free
+
+        if fits(chunk):
+            return chunk
+        if not kv.windowed or not self.config.enable_chunked_prefill or not fits(1):
+            return 0
+        lo, hi = 1, chunk  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def _match(self, group: SequenceGroup, seq: Sequence, hashes: list[BlockHash]) -> PrefixHit:
         # prompt logprobs need every prompt position computed: no prefix hit (recompute)
@@ -76,13 +96,14 @@ class Admission:
         limit = (len(seq.token_ids) - 1) // self.config.block_size
         return self.kv.store_plan(hashes, hit_blocks, limit, self.external_kv)
 
-    def _window_upto(self, hit: PrefixHit, ranges: list[StoreRange]) -> int | None:
-        """Where a new sequence's window groups stop at admission: the first prefill chunk past
-        its hit (device and store). None (the whole prompt) without chunked prefill."""
+    def _window_upto(self, hit: PrefixHit, ranges: list[StoreRange], chunk: int) -> int | None:
+        """Where a new sequence's window groups stop at admission: the first prefill chunk (of
+        `chunk` tokens) past its hit (device and store). None (the whole prompt) without
+        chunked prefill."""
         if not self.kv.windowed or not self.config.enable_chunked_prefill:
             return None
         start = ranges[0].end * self.config.block_size if ranges else hit.num_tokens
-        return start + self.config.max_num_batched_tokens
+        return start + chunk
 
     def _plan_store_loads(self, group: SequenceGroup, seq: Sequence, hashes: list[BlockHash], hit_blocks: int,
                           ranges: list[StoreRange], out: SchedulerOutput) -> int:

@@ -31,9 +31,10 @@ class Preemption:
         wanted: list[int] | None = None,
     ) -> bool:
         """Give every live sequence of `group` a slot for its newest token, and its window groups
-        the blocks of the prefill chunk it computes now (`wanted[i]` tokens of `live[i]`),
-        preempting the latest-arrived running groups while blocks are short. False when `group`
-        itself was preempted, or when blocks are short and preempting is not allowed."""
+        the blocks of the prefill chunk it computes now (`wanted[i]` tokens of `live[i]`; a
+        chunk shrinks, in `wanted`, to what fits before anyone is preempted), preempting the
+        latest-arrived running groups while blocks are short. False when `group` itself was
+        preempted, or when blocks are short and preempting is not allowed."""
         kv = self.kv
         entry = kv.seq
         extras, chunks = [], []
@@ -42,13 +43,12 @@ class Preemption:
             if n:
                 extras.append((s.seq_id, n))
             elif kv.windowed and wanted is not None and wanted[i]:  # a prefill chunk
-                end = s.num_computed_tokens + wanted[i]
-                if kv.window_blocks_needed(s.seq_id, end):
-                    chunks.append((s.seq_id, end))
+                if kv.window_blocks_needed(s.seq_id, s.num_computed_tokens + wanted[i]):
+                    chunks.append((i, s))
         while extras or chunks:
             need = sum(kv.append_blocks_needed(sid, n) for sid, n in extras)
-            need += sum(kv.window_blocks_needed(sid, end) for sid, end in chunks)
-            if need <= kv.num_free_blocks:
+            free = kv.num_free_blocks - need
+            if self._fit_chunks(chunks, wanted, free):
                 break
             if not may_preempt:
                 return False
@@ -58,9 +58,32 @@ class Preemption:
                 return False
         for sid, n in extras:
             out.copies.extend(kv.append_slots(sid, n))
-        for sid, end in chunks:
-            kv.reserve(sid, end)
+        for i, s in chunks:
+            kv.reserve(s.seq_id, s.num_computed_tokens + wanted[i])
         return True
+
+    def _fit_chunks(self, chunks: list[tuple[int, Sequence]], wanted: list[int] | None, free: int) -> bool:
+        """Shrink the prefill chunks (`wanted[i]` tokens of each chunk's sequence), the last one
+        first and none below one token, until their window groups' blocks fit `free`."""
+        kv = self.kv
+
+        def need() -> int:
+            return sum(kv.window_blocks_needed(s.seq_id, s.num_computed_tokens + wanted[i]) for i, s in chunks)
+
+        if need() <= free:
+            return True
+        assert wanted is not None
+        for i, s in reversed(chunks):
+            lo, hi = 1, wanted[i]
+            wanted[i] = lo
+            if need() > free:
+                continue  # even one token of this chunk is too many: shrink the next one too
+            while hi - lo > 1:  # the largest chunk that fits, by bisection
+                wanted[i] = mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if need() <= free else (lo, mid)
+            wanted[i] = lo
+            return True
+        return False
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.num_preemptions += 1

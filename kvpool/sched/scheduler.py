@@ -194,12 +194,11 @@ class Scheduler(Admission, Preemption, Stops):
             if need is None or num_seqs + len(live) > max_seqs:
                 return
             # each sequence's next token takes at most one block (a new one or a CoW copy); a
-            # prefill chunk, its window groups' blocks
+            # prefill chunk, its window groups' blocks (the chunk shrinks to what fits)
             need_blocks = self.kv.num_swap_in_blocks(seq_ids) + len(seq_ids) * self.kv.num_groups
-            if self.kv.windowed:
-                need_blocks += sum(self.kv.window_blocks_needed(s.seq_id, s.num_computed_tokens + n)
-                                   for s, n in zip(live, need, strict=True) if n)
-            if need_blocks > self.kv.num_free_blocks - self._watermark_blocks:
+            free = self.kv.num_free_blocks - self._watermark_blocks - need_blocks
+            if free < 0 or (self.kv.windowed and not self._fit_chunks(
+                    [(i, s) for i, s in enumerate(live) if need[i]], need, free)):
                 return
             self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(seq_ids))
@@ -214,13 +213,16 @@ class Scheduler(Admission, Preemption, Stops):
         while self.waiting and budget > 0:
             group = self.waiting[0]
             live = group.live_seqs
-            if num_seqs + len(live) > max_seqs or not self._admit(group, out):
+            if num_seqs + len(live) > max_seqs:
+                break
+            chunk = self._admit(group, out, budget)
+            if not chunk:
                 break
             if group.pending_kv_loads:  # computes from the next step on, once its KV has landed
                 self.waiting.popleft()
                 running.append(group)
                 continue
-            need = self._tokens_wanted(live, budget)
+            need = self._tokens_wanted(live, chunk)
             if need is None:
                 self._unadmit(group, out)
                 break

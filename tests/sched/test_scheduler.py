@@ -211,3 +211,22 @@ def test_window_groups_take_blocks_chunk_by_chunk_and_outputs_equal_ample_memory
     assert d.s.kv.max_blocks(longest, longest) > 48  # every block of its prompt at once would not fit
     assert d.s.num_preemptions >= 1
     assert tight == ample
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_preempted_window_request_whose_context_outgrew_the_first_chunks_blocks_finishes(mode):
+    """Recomputing a preempted request prefills its prompt and every token it generated: the
+    window groups' blocks for one full chunk of that can exceed the pool (the admission check
+    saw only the short prompt). The chunk shrinks to what fits instead of waiting forever."""
+    def workload(num_blocks: int) -> tuple[dict, Driver]:
+        d = Driver(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, preemption_mode=mode,
+                   num_host_blocks=64, kv_group_windows=(None, 3, 3), max_model_len=96)
+        for i in range(2):
+            d.add(f"r{i}", [0] * 8 + [100 + i], max_tokens=25, arrival=i)
+        return d.run(max_steps=500), d
+
+    ample, _ = workload(4096)
+    tight, d = workload(24)
+    assert d.s.num_preemptions >= 1
+    assert tight == ample
+    assert d.s.kv.num_free_blocks == 24 and not d.s.kv.seqs
