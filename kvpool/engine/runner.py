@@ -20,7 +20,6 @@ from kvpool.engine.attention import AttentionMetadata, KVCache
 from kvpool.engine.kernels import paged_attention_available
 from kvpool.engine.kv_quant import allocate_caches
 from kvpool.engine.loader import LoadedModel
-from kvpool.engine.models.llama import can_pack_weights
 from kvpool.sched.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -36,7 +35,7 @@ class ModelRunner:
         self.model = loaded.model
         if device.type == "cpu":
             paged_attention_available()  # build (or load) the kernel now, not inside the first request's TTFT
-        if pack_weights and can_pack_weights(device, dtype):
+        if pack_weights and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             self.model.pack_cpu_weights(q4_kernels)
             start = time.perf_counter()
             self.model.warm_up_packed(max_num_batched_tokens + max_num_seqs, max_num_seqs)

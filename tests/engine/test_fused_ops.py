@@ -1,4 +1,4 @@
-"""Fused per-layer ops for bf16 steps: each equals the torch ops it replaces."""
+"""Fused per-layer ops (bf16 steps; RoPE + K/V write in float32 too): each equals the torch ops it replaces."""
 
 from __future__ import annotations
 
@@ -54,15 +54,16 @@ def test_silu_mul_matches_torch_to_one_bf16_step():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,t", [(9, 3, 7), (4, 4, 7), (9, 3, 150)])
-def test_rope_and_kv_write_equal_torch_bit_for_bit(heads, kv_heads, t):
+def test_rope_and_kv_write_equal_torch_bit_for_bit(heads, kv_heads, t, dtype):
     gen = torch.Generator().manual_seed(2)
     d, blocks, bs = 64, 40, 4
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(BF16)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     angles = torch.rand(t, 1, d // 2, generator=gen) * 50
-    cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     slots = torch.randperm(blocks * bs, generator=gen)[:t]
-    caches = [torch.zeros(blocks, bs, kv_heads, d, dtype=BF16) for _ in range(4)]
+    caches = [torch.zeros(blocks, bs, kv_heads, d, dtype=dtype) for _ in range(4)]
     q, k = fused.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots, heads, kv_heads)
     qk = apply_rotary(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin)
     v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
@@ -73,9 +74,11 @@ def test_rope_and_kv_write_equal_torch_bit_for_bit(heads, kv_heads, t):
         fused.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots + blocks * bs, heads, kv_heads)
 
 
-def test_float32_keeps_torch_ops():
-    """float32 is the exact path the HF tests pin; bf16 steps of any row count take the fused ops."""
+def test_float32_keeps_torch_ops_but_the_bit_exact_rope():
+    """float32 is the exact path the HF tests pin: of the fused ops it takes only RoPE + the K/V
+    write, which equals torch bit for bit; bf16 steps of any row count take them all."""
     assert not fused.usable(torch.zeros(4, 8))
+    assert fused.rope_usable(torch.zeros(4, 8)) == fused_ops_available()
     assert fused.usable(torch.zeros(4096, 8, dtype=BF16)) == fused_ops_available()
 
 

@@ -89,7 +89,7 @@ def test_decode_steps_on_4bit_projections_match_the_float_model(plain_loaded):
     q4.model.pack_cpu_weights(q4_kernels=True)
     layer = q4.model.layers[0]
     assert all(isinstance(m, Q4Linear) for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
-    assert not isinstance(q4.model._packed_head, Q8Linear)  # float32 keeps its dense head
+    assert isinstance(q4.model._packed_head, Q8Linear)  # the tied head from its Q8_0 groups
     for prompt in PROMPTS[:4]:
         ids = plain_loaded.tokenizer.encode(prompt)
         ref, ours = PagedSequence(plain_loaded), PagedSequence(q4)
@@ -210,10 +210,18 @@ def test_row_limits_give_amx_the_mid_rows_only_where_it_runs(monkeypatch):
 
 
 @needs_kernel
-def test_q8_kernel_refuses_float32_activations():
-    w = q8_0_weight(16, 64)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.kvpool.q8_linear(torch.randn(2, 64), *q8_groups(w))
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_q8_kernel_on_float32_rows_multiplies_by_the_exact_weights(rows):
+    """float32 rows over Q8_0 groups: the float copy's own weights, summation order aside
+    (row counts across the kernel's 8-row chunks)."""
+    w = q8_0_weight(48, 96, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    got = torch.ops.kvpool.q8_linear(x, *q8_groups(w))
+    ref = (x.double() @ w.double().T).float()
+    assert got.dtype == torch.float32 and got.shape == (rows, 48)
+    assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.kvpool.q8_linear(x.half(), *q8_groups(w))
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ Only what torch lacks lives here: float32 and bfloat16 matmuls over the checkpoi
 (Q4_1) and 8-bit (Q8_0) groups that use exactly the dense copy's weights (torch's int4 CPU
 kernel takes its own packing and bf16 activations only, which would change the model's
 numbers), paged attention that reads each sequence's K/V through its block table, and fused
-per-layer elementwise ops for bf16 steps (in decode dispatch is their cost, in prefill the
-memory passes of torch's op chain). If no
+per-layer elementwise ops (bf16 steps; RoPE + the K/V write in float32 too: in decode dispatch
+is their cost, in prefill the memory passes of torch's op chain). If no
 compiler is at hand the engine keeps its dense float weights and its torch attention.
 """
 

@@ -5,6 +5,7 @@
 // whole activation). Each op rounds to bfloat16 where torch's sequence of bf16 ops rounds, so
 // results match those ops but for float32 summation order (norm) and exp's last bits. Every row
 // is computed alone; only the norm's summation order depends on the step's size (see norm_row).
+// RoPE + the K/V write also takes float32 steps, bit for bit equal to torch's float32 ops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -172,56 +173,83 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// q, k = rope(qkv's Q and K heads) with HF's rotate_half, in torch's bf16 rounding order
-// (x1*c, x2*s, their difference, ... each rounded); k and qkv's V heads written to their slots.
+// One head's RoPE, HF's rotate_half: dst = (x1*c - x2*s, x2*c + x1*s). float32: each product
+// and sum rounded once, no contraction (built with -ffp-contract=off), as torch's ops round, so
+// the result equals the op-by-op path bit for bit. bf16: torch's bf16 rounding order (x1*c,
+// x2*s, their difference, ... each rounded).
+inline void rope_head(const float* x, const float* c, const float* s, int64_t half, float* dst) {
+  for (int64_t j = 0; j < half; ++j) {
+    dst[j] = x[j] * c[j] - x[j + half] * s[j];
+    dst[j + half] = x[j + half] * c[j] + x[j] * s[j];
+  }
+}
+
+inline void rope_head(const bf16* x, const bf16* c, const bf16* s, int64_t half, bf16* dst) {
+  int64_t j = 0;
+#ifdef __AVX512F__
+  for (; j + 16 <= half; j += 16) {
+    const __m512 x1 = load16(x + j), x2 = load16(x + j + half), cj = load16(c + j), sj = load16(s + j);
+    store16(dst + j, round16(_mm512_sub_ps(round16(_mm512_mul_ps(x1, cj)), round16(_mm512_mul_ps(x2, sj)))));
+    store16(dst + j + half, round16(_mm512_add_ps(round16(_mm512_mul_ps(x2, cj)), round16(_mm512_mul_ps(x1, sj)))));
+  }
+#endif
+  for (; j < half; ++j) {
+    const float x1 = static_cast<float>(x[j]), x2 = static_cast<float>(x[j + half]);
+    const float cj = static_cast<float>(c[j]), sj = static_cast<float>(s[j]);
+    dst[j] = bf16(round_bf16(x1 * cj) - round_bf16(x2 * sj));
+    dst[j + half] = bf16(round_bf16(x2 * cj) + round_bf16(x1 * sj));
+  }
+}
+
+// q, k = rope(qkv's Q and K heads); k and qkv's V heads written to their cache slots.
+template <typename T>
+void rope_write_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const int64_t* sp, int64_t heads, int64_t kv_heads, at::Tensor& q,
+                     at::Tensor& k) {
+  const int64_t t = qkv.size(0), d = k_cache.size(3), half = d / 2;
+  at::parallel_for(0, t, kRowsPerThread, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* row = qkv.data_ptr<T>() + i * qkv.stride(0);
+      const T* c = cos.data_ptr<T>() + i * half;
+      const T* s = sin.data_ptr<T>() + i * half;
+      T* kc = k_cache.data_ptr<T>() + sp[i] * kv_heads * d;
+      T* vc = v_cache.data_ptr<T>() + sp[i] * kv_heads * d;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        T* dst = h < heads ? q.data_ptr<T>() + (i * heads + h) * d : k.data_ptr<T>() + (i * kv_heads + h - heads) * d;
+        rope_head(row + h * d, c, s, half, dst);
+        if (h >= heads) std::memcpy(kc + (h - heads) * d, dst, d * sizeof(T));
+      }
+      std::memcpy(vc, row + (heads + kv_heads) * d, kv_heads * d * sizeof(T));
+    }
+  });
+}
+
+// float32 or bfloat16 rows, tables and caches alike.
 std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                                  const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                  const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
-  check_bf16_rows(qkv, "qkv");
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(qkv.device().is_cpu() && (dt == at::kBFloat16 || dt == at::kFloat) && qkv.dim() == 2 && qkv.stride(1) == 1,
+              "qkv: 2-D float32 or bfloat16 CPU tensor with contiguous rows");
   const int64_t t = qkv.size(0);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16 && v_cache.is_contiguous(),
-              "caches: contiguous bfloat16 [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == dt && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == dt && v_cache.is_contiguous(),
+              "caches: contiguous [blocks, block_size, kv_heads, head_dim] of qkv's dtype");
   const int64_t d = k_cache.size(3), half = d / 2;
   TORCH_CHECK(k_cache.size(2) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * d, "qkv: [T, (H + 2 Hkv) * D]");
-  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && cos.is_contiguous() && cos.numel() == t * half &&
-                  sin.scalar_type() == at::kBFloat16 && sin.is_contiguous() && sin.numel() == t * half,
-              "cos, sin: contiguous bfloat16 [T, 1, D/2] (full rotary)");
+  TORCH_CHECK(cos.scalar_type() == dt && cos.is_contiguous() && cos.numel() == t * half && sin.scalar_type() == dt &&
+                  sin.is_contiguous() && sin.numel() == t * half,
+              "cos, sin: contiguous [T, 1, D/2] of qkv's dtype (full rotary)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == t, "slots: int64 [T]");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   at::Tensor q = at::empty({t, heads, d}, qkv.options());
   at::Tensor k = at::empty({t, kv_heads, d}, qkv.options());
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " out of the cache");
-  at::parallel_for(0, t, kRowsPerThread, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const bf16* row = qkv.data_ptr<bf16>() + i * qkv.stride(0);
-      const bf16* c = cos.data_ptr<bf16>() + i * half;
-      const bf16* s = sin.data_ptr<bf16>() + i * half;
-      bf16* kc = k_cache.data_ptr<bf16>() + sp[i] * kv_heads * d;
-      bf16* vc = v_cache.data_ptr<bf16>() + sp[i] * kv_heads * d;
-      for (int64_t h = 0; h < heads + kv_heads; ++h) {
-        const bf16* x = row + h * d;
-        bf16* dst = h < heads ? q.data_ptr<bf16>() + (i * heads + h) * d : k.data_ptr<bf16>() + (i * kv_heads + h - heads) * d;
-        int64_t j = 0;
-#ifdef __AVX512F__
-        for (; j + 16 <= half; j += 16) {
-          const __m512 x1 = load16(x + j), x2 = load16(x + j + half), cj = load16(c + j), sj = load16(s + j);
-          store16(dst + j, round16(_mm512_sub_ps(round16(_mm512_mul_ps(x1, cj)), round16(_mm512_mul_ps(x2, sj)))));
-          store16(dst + j + half, round16(_mm512_add_ps(round16(_mm512_mul_ps(x2, cj)), round16(_mm512_mul_ps(x1, sj)))));
-        }
-#endif
-        for (; j < half; ++j) {
-          const float x1 = static_cast<float>(x[j]), x2 = static_cast<float>(x[j + half]);
-          const float cj = static_cast<float>(c[j]), sj = static_cast<float>(s[j]);
-          dst[j] = bf16(round_bf16(x1 * cj) - round_bf16(x2 * sj));
-          dst[j + half] = bf16(round_bf16(x2 * cj) + round_bf16(x1 * sj));
-        }
-        if (h >= heads) std::memcpy(kc + (h - heads) * d, dst, d * sizeof(bf16));
-      }
-      std::memcpy(vc, row + (heads + kv_heads) * d, kv_heads * d * sizeof(bf16));
-    }
-  });
+  if (dt == at::kFloat)
+    rope_write_rows<float>(qkv, cos, sin, k_cache, v_cache, sp, heads, kv_heads, q, k);
+  else
+    rope_write_rows<bf16>(qkv, cos, sin, k_cache, v_cache, sp, heads, kv_heads, q, k);
   return {q, k};
 }
 

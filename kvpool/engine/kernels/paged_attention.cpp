@@ -12,8 +12,9 @@
 // The next tile is prefetched (the caches are cold, a step's layers apart). Other caches go
 // through `load_tile` to fp32 scratch: bf16 under fp32 queries, and the quantized caches of
 // kvpool/engine/kv_quant.py: per token and KV head D int8 or fp8-e4m3 bytes then a float32
-// scale, dequantized as float(q) * scale in fp32 (the torch path's expression). Without
-// AVX-512, or with D not a multiple of 16, everything goes through scalar loops.
+// scale, dequantized as float(q) * scale in fp32 (the torch path's expression). With AVX2 (no
+// AVX-512) the same plan runs 8 lanes wide on fp32 queries (bf16 queries are widened first);
+// with neither, or D not a multiple of 16 (AVX-512) or 8 (AVX2), scalar loops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -26,7 +27,7 @@
 #include <limits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -83,6 +84,11 @@ void to_float(const void* src, bool bf16, int64_t n, float* dst) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
     _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
   }
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
 #endif
   for (; i < n; ++i) dst[i] = bf16_to_float(s[i]);
 }
@@ -130,6 +136,12 @@ void dequant_row(const char* src, KV kv, int64_t d, float* dst) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
       _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s));
     }
+#elif defined(__AVX2__)
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; i + 8 <= d; i += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
+    }
 #endif
     for (; i < d; ++i) dst[i] = static_cast<float>(q[i]) * scale;
     return;
@@ -140,6 +152,12 @@ void dequant_row(const char* src, KV kv, int64_t d, float* dst) {
   for (; i + 16 <= d; i += 16) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
     _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), kFP8.v, 4), s));
+  }
+#elif defined(__AVX2__)
+  const __m256 s = _mm256_set1_ps(scale);
+  for (; i + 8 <= d; i += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_i32gather_ps(kFP8.v, _mm256_cvtepu8_epi32(b), 4), s));
   }
 #endif
   for (; i < d; ++i) dst[i] = kFP8.v[q[i]] * scale;
@@ -285,7 +303,7 @@ void run_item_scalar(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Sc
   }
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 // The caches are mostly cold (a step's 30 layers apart): rows are asked for one tile ahead.
 inline void prefetch_rows(const Problem& p, const int64_t* off, int64_t n) {
   const int64_t row_bytes = p.kv_width * (p.kv == KV::kF32 ? 4 : p.kv == KV::kBF16 ? 2 : 1);
@@ -305,7 +323,9 @@ void prefetch_item(const Problem& p, const Unit& u, int64_t k0, int64_t k1) {
   tile_offsets(p, p.block_tables + u.seq * p.bt_stride, u.kvh, k0, n, off);
   prefetch_rows(p, off, n);
 }
+#endif
 
+#ifdef __AVX512F__
 // exp on 16 lanes for x >= -87: 2^n * poly(r), |r| <= ln2/2, degree-7 Taylor (relative error
 // < 1e-8 + rounding).
 __attribute__((always_inline)) inline __m512 exp16(__m512 x) {
@@ -583,6 +603,207 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 path (8 lanes, 16 registers): the AVX-512 path's plan on fp32 queries. fp32 K/V rows are
+// read in place, other caches through `load_tile`; a row's 8 scores per key group come from a
+// horizontal-add tree, and P.V keeps up to 3 rows x 32 dims of accumulators in registers.
+
+// exp on 8 lanes for x in [-87, 0]: exp16's polynomial, 2^n built in the exponent bits.
+__attribute__((always_inline)) inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 y = _mm256_set1_ps(1.0f / 5040);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 720));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 120));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 24));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 6));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// Lane i = the sum of a[i]'s 8 lanes (6 horizontal adds, 2 lane swaps, 1 add for 8 sums).
+__attribute__((always_inline)) inline __m256 sum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The scores of query row r against 8 keys (fp32 rows at krow), D = 8 * nc.
+__attribute__((always_inline)) inline __m256 scores8(const float* q, const char* const* krow, int64_t nc) {
+  __m256 a[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    const float* k = reinterpret_cast<const float*>(krow[i]);
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+    for (int64_t c = 1; c < nc; ++c) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), s);
+    a[i] = s;
+  }
+  return sum8(a);
+}
+
+// All-ones lanes where bit i of the low 8 bits is set.
+inline __m256 lane_mask(uint32_t bits) {
+  const __m256i b = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), b), b));
+}
+
+// softmax32 on 4 x 8 scores: updates m and the 8 partial sums of l at lsum, writes the 32
+// weights w, returns alpha.
+__attribute__((always_inline)) inline float softmax32_avx2(const Problem& p, __m256* s, uint32_t live, float& m,
+                                                           float* lsum, float* w) {
+  if (!live) {
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(w + 8 * j, _mm256_setzero_ps());
+    return 1.f;
+  }
+  const __m256 scale = _mm256_set1_ps(p.scale), ninf = _mm256_set1_ps(kNegInf);
+  for (int j = 0; j < 4; ++j) s[j] = _mm256_mul_ps(s[j], scale);
+  if (p.softcap > 0.f) {
+    alignas(32) float x[32];
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(x + 8 * j, s[j]);
+    for (int i = 0; i < 32; ++i) x[i] = p.softcap * std::tanh(x[i] / p.softcap);
+    for (int j = 0; j < 4; ++j) s[j] = _mm256_load_ps(x + 8 * j);
+  }
+  __m256 mask[4];
+  __m256 top = ninf;
+  for (int j = 0; j < 4; ++j) {
+    mask[j] = lane_mask(live >> (8 * j));
+    top = _mm256_max_ps(top, _mm256_blendv_ps(ninf, s[j], mask[j]));
+  }
+  const float m_new = std::max(m, hmax8(top));
+  const float alpha = m == kNegInf ? 0.f : m == m_new ? 1.f : _mm256_cvtss_f32(exp8(_mm256_set1_ps(m - m_new)));
+  // Weights below e^-80 are dropped: they change nothing and would make denormal products.
+  const __m256 mb = _mm256_set1_ps(m_new), floor = _mm256_set1_ps(-80.0f);
+  __m256 total = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    __m256 e = _mm256_setzero_ps();
+    if ((live >> (8 * j)) & 0xFF) {
+      const __m256 diff = _mm256_sub_ps(s[j], mb);
+      e = _mm256_and_ps(exp8(diff), _mm256_and_ps(mask[j], _mm256_cmp_ps(diff, floor, _CMP_GE_OQ)));
+    }
+    _mm256_storeu_ps(w + 8 * j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  _mm256_storeu_ps(lsum, _mm256_fmadd_ps(_mm256_loadu_ps(lsum), _mm256_set1_ps(alpha), total));
+  m = m_new;
+  return alpha;
+}
+
+// acc[r] = alpha[r] * acc[r] + sum_i w[r][i] v_i for R rows, keys ilo..ihi, in passes of
+// 8 * CH dims whose R x CH accumulators stay in registers (the tile's V rows are in L1).
+template <int CH, int R>
+inline void pv_rows8(const float* w, const float* alpha, const char* const* vrow, int ilo, int ihi, int64_t d,
+                     float* acc) {
+  for (int64_t c0 = 0; c0 < d; c0 += 8 * CH) {
+    __m256 o[R][CH];
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_set1_ps(alpha[r]);
+      for (int c = 0; c < CH; ++c) o[r][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * d + c0 + 8 * c), a);
+    }
+    for (int i = ilo; i <= ihi; ++i) {
+      const float* v = reinterpret_cast<const float*>(vrow[i]) + c0;
+      __m256 wb[R];
+      for (int r = 0; r < R; ++r) wb[r] = _mm256_broadcast_ss(w + r * kTile + i);
+      for (int c = 0; c < CH; ++c) {
+        const __m256 x = _mm256_loadu_ps(v + 8 * c);
+        for (int r = 0; r < R; ++r) o[r][c] = _mm256_fmadd_ps(wb[r], x, o[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc + r * d + c0 + 8 * c, o[r][c]);
+  }
+}
+
+template <int CH>
+void pv8(const Scratch& sc, const char* const* vrow, int ilo, int ihi, int64_t d, int64_t rows, float* acc) {
+  for (int64_t r = 0; r < rows; r += 3) {
+    const float* w = sc.w.data() + r * kTile;
+    const float* alpha = sc.alpha.data() + r;
+    switch (std::min<int64_t>(3, rows - r)) {
+      case 3: pv_rows8<CH, 3>(w, alpha, vrow, ilo, ihi, d, acc + r * d); break;
+      case 2: pv_rows8<CH, 2>(w, alpha, vrow, ilo, ihi, d, acc + r * d); break;
+      default: pv_rows8<CH, 1>(w, alpha, vrow, ilo, ihi, d, acc + r * d); break;
+    }
+  }
+}
+
+// run_item_scalar's contract on AVX2; CH: 4 when D is a multiple of 32, else 1 (D % 8 == 0).
+template <int CH>
+void run_item_avx2(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scratch& sc, float* m, float* l,
+                   float* acc) {
+  const int64_t d = p.head_dim, g = p.group, rows = u.ntok * g;
+  const int64_t qlen = p.query_start[u.seq + 1] - p.query_start[u.seq];
+  const int64_t pos0 = p.seq_lens[u.seq] - qlen + u.tok0;
+  load_queries(p, u, false, sc);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.f);
+  std::fill(acc, acc + rows * d, 0.f);
+  std::fill(sc.lsum.begin(), sc.lsum.begin() + rows * 8, 0.f);
+  const int64_t* table = p.block_tables + u.seq * p.bt_stride;
+  const bool in_place = p.kv == KV::kF32;
+  const char* kc = static_cast<const char*>(p.k_cache);
+  const char* vc = static_cast<const char*>(p.v_cache);
+  const char* zero = reinterpret_cast<const char*>(sc.zero.data());
+  int64_t off[kTile], next[kTile];
+  const char* krow[kTile];
+  const char* vrow[kTile];
+  tile_offsets(p, table, u.kvh, k0, std::min(kTile, k1 - k0), next);
+  for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
+    const int64_t n = std::min(kTile, k1 - t0);
+    std::memcpy(off, next, sizeof(off));
+    if (t0 + kTile < k1) {  // ask for the next tile while this one runs
+      const int64_t nn = std::min(kTile, k1 - t0 - kTile);
+      tile_offsets(p, table, u.kvh, t0 + kTile, nn, next);
+      prefetch_rows(p, next, nn);
+    }
+    if (in_place) {
+      for (int64_t i = 0; i < n; ++i) krow[i] = kc + off[i], vrow[i] = vc + off[i];
+    } else {
+      load_tile(p, table, u.kvh, t0, n, sc.k.data(), sc.v.data());
+      for (int64_t i = 0; i < n; ++i)
+        krow[i] = reinterpret_cast<const char*>(sc.k.data() + i * d),
+        vrow[i] = reinterpret_cast<const char*>(sc.v.data() + i * d);
+    }
+    for (int64_t i = n; i < kTile; ++i) krow[i] = vrow[i] = zero;  // score 0, weight 0
+    int ilo = kTile, ihi = -1;
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t first, last;
+      live_range(p, t0, n, pos0 + r / g, first, last);
+      uint32_t live = 0;
+      if (first <= last) {
+        live = static_cast<uint32_t>(((uint64_t{1} << (last - t0 + 1)) - 1) & ~((uint64_t{1} << (first - t0)) - 1));
+        ilo = std::min<int>(ilo, first - t0);
+        ihi = std::max<int>(ihi, last - t0);
+      }
+      const float* q = sc.q.data() + r * d;
+      __m256 s[4];
+      for (int j = 0; j < 4; ++j)
+        s[j] = (live >> (8 * j)) & 0xFF ? scores8(q, krow + 8 * j, d / 8) : _mm256_setzero_ps();
+      sc.alpha[r] = softmax32_avx2(p, s, live, m[r], sc.lsum.data() + r * 8, sc.w.data() + r * kTile);
+    }
+    if (ilo <= ihi) pv8<CH>(sc, vrow, ilo, ihi, d, rows, acc);
+  }
+  for (int64_t r = 0; r < rows; ++r) l[r] = hsum8(_mm256_loadu_ps(sc.lsum.data() + r * 8));
+}
+#endif
+
 using ItemFn = void (*)(const Problem&, const Unit&, int64_t, int64_t, Scratch&, float*, float*, float*);
 
 // The fastest path this build has for the problem's types and D.
@@ -605,6 +826,9 @@ ItemFn pick_item_fn(const Problem& p) {
       default: return run_item_fast<false, 0>;
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (p.head_dim % 32 == 0) return run_item_avx2<4>;
+  if (p.head_dim % 8 == 0) return run_item_avx2<1>;
 #endif
   return run_item_scalar;
 }
@@ -694,7 +918,7 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
       const int64_t rows = u.ntok * p.group;
       float* buf = slot[i] >= 0 ? partials.data() + slot[i] * part : sc.local.data();
       float *m = buf, *l = buf + max_rows, *acc = buf + 2 * max_rows;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
       if (i + 1 < end) prefetch_item(p, units[items[i + 1].unit], items[i + 1].k0, items[i + 1].k1);
 #endif
       run_item(p, u, items[i].k0, items[i].k1, sc, m, l, acc);

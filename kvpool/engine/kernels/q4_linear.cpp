@@ -6,8 +6,8 @@
 // bfloat16: each dequantized float32 weight is then rounded to bfloat16 (to nearest even, as
 // `Tensor.to(torch.bfloat16)` made the dense bf16 copy), so the kernel multiplies by the dense
 // copy's weights bit for bit; products accumulate in float32 and the output is rounded to
-// bfloat16 once, as oneDNN's bf16 GEMM does. AVX512-BF16 dot products where the CPU has them,
-// AVX2 + FMA or scalar loops elsewhere; for mid-size bf16 batches, AMX tiles (q4_linear_amx,
+// bfloat16 once, as oneDNN's bf16 GEMM does. AVX-512 (AVX512-BF16 dot products under bf16)
+// where the CPU has it, AVX2 + FMA or scalar loops elsewhere; for mid-size bf16 batches, AMX tiles (q4_linear_amx,
 // q8_linear_amx: the same weights, see below) where the CPU has them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -61,6 +61,43 @@ void q4_rows(const float* x, int64_t k, const uint8_t* qs, const float* scale, c
       }
     }
     for (int r = 0; r < R; ++r) y[r * n_out + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 lanes: a group is 4 x 8 weights (low nibbles of bytes 0-7, 8-15, then their high nibbles);
+// rows below 4 keep two accumulators each so the FMA chains overlap, up to 8 rows fit one each.
+template <int R>
+void q4_rows(const float* x, int64_t k, const uint8_t* qs, const float* scale, const float* mins,
+             float* y, int64_t n_out, int64_t n_begin, int64_t n_end) {
+  constexpr int A = R < 4 ? 2 : 1;
+  const int64_t groups = k / kGroup;
+  const __m256i low_mask = _mm256_set1_epi32(15);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m256 acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+    const uint8_t* q = qs + n * (k / 2);
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 d = _mm256_set1_ps(scale[n * groups + g]);
+      const __m256 m = _mm256_set1_ps(mins[n * groups + g]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + g * 16 + 8 * h)));
+        const __m256 w_lo = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, low_mask)), d), m);
+        const __m256 w_hi = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), d), m);
+        for (int r = 0; r < R; ++r) {
+          const float* xg = x + r * k + g * kGroup + 8 * h;
+          acc[r][0] = _mm256_fmadd_ps(w_lo, _mm256_loadu_ps(xg), acc[r][0]);
+          acc[r][A - 1] = _mm256_fmadd_ps(w_hi, _mm256_loadu_ps(xg + 16), acc[r][A - 1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 v = acc[r][0];
+      if constexpr (A == 2) v = _mm256_add_ps(v, acc[r][1]);
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      y[r * n_out + n] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
   }
 }
 #else
@@ -297,8 +334,82 @@ at::Tensor q4_linear_any(const at::Tensor& x, const at::Tensor& qs, const at::Te
   return linear_bf16(q4_format(x, qs, scale, mins), x, qs.size(0));
 }
 
+// float32 activations over a weight format (the Q8_0 head): q4_rows' contract, any format.
+#if defined(__AVX512F__)
+template <class Fmt, int R>
+void rows_f32(const Fmt& f, const float* x, int64_t k, float* y, int64_t n_out, int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m512 acc_lo[R], acc_hi[R];
+    for (int r = 0; r < R; ++r) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < f.groups; ++g) {
+      const auto [lo, hi] = f.group16(n, g);
+      for (int r = 0; r < R; ++r) {
+        acc_lo[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * k + g * kGroup), acc_lo[r]);
+        acc_hi[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * k + g * kGroup + 16), acc_hi[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * n_out + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+template <class Fmt, int R>
+void rows_f32(const Fmt& f, const float* x, int64_t k, float* y, int64_t n_out, int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < f.groups; ++g)
+      for (int h = 0; h < 4; ++h) {
+        const __m256 w = f.group8(n, g, h);
+        for (int r = 0; r < R; ++r)
+          acc[r][h & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * k + g * kGroup + 8 * h), acc[r][h & 1]);
+      }
+    for (int r = 0; r < R; ++r) {
+      const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      y[r * n_out + n] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+  }
+}
+#else
+template <class Fmt, int R>
+void rows_f32(const Fmt& f, const float* x, int64_t k, float* y, int64_t n_out, int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    float acc[R] = {};
+    for (int64_t g = 0; g < f.groups; ++g)
+      for (int j = 0; j < kGroup; ++j)
+        for (int r = 0; r < R; ++r) acc[r] += f.weight(n, g, j) * x[r * k + g * kGroup + j];
+    for (int r = 0; r < R; ++r) y[r * n_out + n] = acc[r];
+  }
+}
+#endif
+
+template <class Fmt, int... R>
+constexpr auto rows_f32_table(std::integer_sequence<int, R...>) {
+  return std::array<void (*)(const Fmt&, const float*, int64_t, float*, int64_t, int64_t, int64_t), sizeof...(R)>{
+      rows_f32<Fmt, R + 1>...};
+}
+
+// Chunks of kMaxRows activation rows, each one pass over the weights split across threads.
+template <class Fmt>
+at::Tensor linear_f32(const Fmt& f, const at::Tensor& x, int64_t n_out) {
+  static constexpr auto fns = rows_f32_table<Fmt>(std::make_integer_sequence<int, kMaxRows>{});
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1);
+  at::Tensor y = at::empty({rows, n_out}, xc.options());
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const int64_t r = std::min(kMaxRows, rows - r0);
+    at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+      fns[r - 1](f, xc.data_ptr<float>() + r0 * k, k, y.data_ptr<float>() + r0 * n_out, n_out, begin, end);
+    });
+  }
+  return y;
+}
+
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "q8_linear: x must be bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "q8_linear: x must be float32 or bfloat16");
+  if (x.scalar_type() == at::kFloat) return linear_f32(q8_format(x, qs, scale), x, qs.size(0));
   return linear_bf16(q8_format(x, qs, scale), x, qs.size(0));
 }
 

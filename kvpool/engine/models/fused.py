@@ -5,8 +5,9 @@ values whose dispatch costs more than their arithmetic; a 2,048-token prefill st
 fifth of its time in the chains of elementwise ops (each a pass over the activations) that
 RMSNorm, SiLU * up and RoPE are in torch. In bf16 every step, whatever its row count, runs
 RMSNorm (+ the residual add), SiLU * up and RoPE + the K/V write as one op each, rounding
-where torch's bf16 ops round. float32 is never routed here: it keeps the exact path the HF
-tests pin.
+where torch's bf16 ops round. float32 steps take only RoPE + the K/V write (~12 ops a layer in
+torch), which rounds as torch's float32 ops do, bit for bit: the norms and SiLU stay torch's,
+the exact path the HF tests pin.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from kvpool.engine.kernels import fused_ops_available
 
 def usable(x: Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and fused_ops_available()
+
+
+def rope_usable(x: Tensor) -> bool:
+    return x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu" and fused_ops_available()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -21,7 +21,7 @@ from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention,
 from kvpool.engine.kernels import fused_ops_available, q4_linear_available
 from kvpool.engine.models import fused
 from kvpool.engine.models.config import ModelConfig, rope_inv_freq
-from kvpool.engine.models.quantized import Q4Linear, Q8Linear, q4_groups, row_limits
+from kvpool.engine.models.quantized import Q4Linear, Q8Linear, q4_groups, q8_groups, row_limits
 from kvpool.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -171,13 +171,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(pad_rows(out, x.shape[0]))
 
     def _fused_rope(self, qkv: Tensor, cos: Tensor, k_cache: Tensor) -> bool:
-        """RoPE + K/V write as one op: bf16 rows, full rotary, no q/k norms, a bf16 cache."""
+        """RoPE + K/V write as one op: full rotary, no q/k norms, a cache of the rows' dtype."""
         return (
             not self.qk_norm
             and 2 * cos.shape[-1] == self.head_dim
-            and cos.dtype == k_cache.dtype == torch.bfloat16
+            and cos.dtype == k_cache.dtype == qkv.dtype
             and k_cache.is_contiguous()
-            and fused.usable(qkv)
+            and fused.rope_usable(qkv)
         )
 
 
@@ -299,12 +299,27 @@ class PackedLinear(nn.Module):
             rows = bucket + 1
 
 
+class FrozenLinear(nn.Module):
+    """`F.linear` on a frozen weight: the dense copy where oneDNN cannot pack the dtype."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 def can_pack_weights(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """oneDNN packs float32 weights on any x86 CPU, bf16 ones only where it has a bf16 GEMM
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): elsewhere a bf16 model keeps `F.linear`."""
     return (
         torch.device(device).type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 
@@ -385,11 +400,13 @@ class LlamaForCausal(nn.Module):
 
     def pack_cpu_weights(self, q4_kernels: bool = False) -> None:
         """Swap every projection (and the LM head) for a oneDNN-packed copy, once the weights
-        are loaded; the embedding table stays as it is for the lookup. With `q4_kernels`, a
-        projection whose weights are exactly 4-bit groups also keeps those for small batches
-        (float32 or bfloat16); under bfloat16 the LM head also keeps its Q8_0 groups."""
+        are loaded (a plain frozen copy where oneDNN cannot pack the dtype: bf16 on AVX2);
+        the embedding table stays as it is for the lookup. With `q4_kernels`, a projection
+        whose weights are exactly 4-bit groups also keeps those for small batches, and the LM
+        head its exact Q8_0 groups (float32 or bfloat16)."""
         if self._packed_head is not None:
             return
+        dense_linear = PackedLinear if can_pack_weights("cpu", self.embed_tokens.weight.dtype) else FrozenLinear
         q4_kernels = q4_kernels and q4_linear_available()
         bf16 = self.embed_tokens.weight.dtype == torch.bfloat16
         vector_rows, max_rows = row_limits(bf16) if q4_kernels else (0, 0)
@@ -398,7 +415,7 @@ class LlamaForCausal(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
                 lin = getattr(owner, name)
-                packed: nn.Module = PackedLinear(lin.weight, lin.bias)
+                packed: nn.Module = dense_linear(lin.weight, lin.bias)
                 groups = self._groups(f"layers.{i}.{'self_attn' if owner is attn else 'mlp'}.{name}", lin.weight,
                                       bf16) if q4_kernels else None
                 if groups is not None:
@@ -406,8 +423,10 @@ class LlamaForCausal(nn.Module):
                 setattr(owner, name, packed)
         head_name = "embed_tokens.weight" if self.lm_head is None else "lm_head"
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        self._packed_head = PackedLinear(head, None)
-        head_groups = self.quant_groups.get(head_name) if q4_kernels and bf16 else None
+        self._packed_head = dense_linear(head, None)
+        head_groups = None
+        if q4_kernels:
+            head_groups = self.quant_groups.get(head_name) if bf16 else q8_groups(head)
         if head_groups is not None and len(head_groups) == 2:
             head_vector, head_max = row_limits(bf16, head=True)
             self._packed_head = Q8Linear(self._packed_head, head_groups, None, head_max, head_vector)

@@ -23,6 +23,7 @@ GROUP = 32
 # weight whatever the rows, so it takes over from the vector kernel at 4 rows and beats the
 # dense copy up to ~32 (cold weights; figures in docs/architecture.md).
 MAX_ROWS = 16  # float32 activations
+HEAD_MAX_ROWS = 16  # the LM head over Q8_0 groups, float32 activations
 MAX_ROWS_BF16 = 3  # the vector (vdpbf16ps) kernel where the AMX one runs
 VECTOR_ONLY_MAX_ROWS_BF16 = 8  # ... and where it does not
 HEAD_MAX_ROWS_BF16 = 4  # the LM head over Q8_0 groups
@@ -36,7 +37,7 @@ def row_limits(bf16: bool, head: bool = False) -> tuple[int, int]:
     """(rows up to which the vector kernel runs, rows up to which the groups serve at all):
     the AMX kernel takes the rows between, where this CPU and kernel build have it."""
     if not bf16:
-        return MAX_ROWS, MAX_ROWS
+        return (HEAD_MAX_ROWS, HEAD_MAX_ROWS) if head else (MAX_ROWS, MAX_ROWS)
     if head:
         vector, tiles, alone = HEAD_MAX_ROWS_BF16, HEAD_AMX_MAX_ROWS_BF16, HEAD_MAX_ROWS_BF16
     else:
@@ -143,7 +144,7 @@ class Q4Linear(nn.Module):
 
 
 class Q8Linear(Q4Linear):
-    """The same over Q8_0 groups (the LM head); bfloat16 activations only."""
+    """The same over Q8_0 groups (the LM head)."""
 
     def kernel(self, x: Tensor) -> Tensor:
         return torch.ops.kvpool.q8_linear(x, *self.groups)
