@@ -106,23 +106,13 @@ def _scheduler_decode_step(reps: int) -> float:
     return (time.perf_counter() - start) / reps * 1e6
 
 
-def measure_matmul_gflops(n: int = 1024, reps: int = 10) -> float:
-    """This CPU's fp32 matmul rate, measured now (the machines are shared and noisy)."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(2):
-        a @ b
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
-
-
 def run(num_seqs: int = 5000, seed: int = 0, json_path: str | None = None) -> CoreBenchResult:
     ops, secs, kv = _replay(num_seqs, seed)
     mgr_us = _manager_decode_step(50)
     sched_us = _scheduler_decode_step(50)
+    # torch only here: the rest of this benchmark is the pure core
+    from kvpool.bench.limits import measure_matmul_gflops
+
     gflops = measure_matmul_gflops()
     model_ms = 256 * SMOLLM2_FLOPS_PER_TOKEN / (gflops * 1e9) * 1e3
     res = CoreBenchResult(

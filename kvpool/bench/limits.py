@@ -29,14 +29,26 @@ class MachineLimits:
 
 
 def measure_matmul_gflops(dtype: torch.dtype = torch.float32, n: int = 2048, seconds: float = 1.0) -> float:
-    """Best rate of n x n matmuls in `dtype` over a short burst (bf16 runs on AMX via oneDNN)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
+    """Best rate of square matmuls in `dtype` over a burst of about `seconds` (bf16 runs on AMX via oneDNN).
+
+    The size doubles from 256 up to `n` while the next size's first product is predicted to take
+    under a quarter of the burst: a CPU without bf16 hardware runs it at ~1 GFLOP/s, where one
+    2048-cubed product alone would take a minute.
+    """
+    size = 256
+    while True:
+        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        t = time.perf_counter()
+        a @ b
+        rate = 2 * size**3 / (time.perf_counter() - t)
+        if size >= n or 2 * (2 * size) ** 3 / rate > seconds / 4:
+            break
+        size *= 2
     best, end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         t = time.perf_counter()
         a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e9)
+        best = max(best, 2 * size**3 / (time.perf_counter() - t) / 1e9)
     return best
 
 

@@ -46,7 +46,11 @@ class PrefillChunk:
     end: int  # one past the last input row
     seq_len: int  # context length after this step
     num_blocks: int  # blocks covering seq_len
-    mask: Tensor | None  # [qlen, seq_len] additive (0 / -inf), None when the chunk is the whole context
+
+    @property
+    def cached(self) -> int:
+        """Context tokens before this chunk (0: a fresh prompt, attending to its new K/V only)."""
+        return self.seq_len - (self.end - self.start)
 
 
 @dataclass(slots=True)
@@ -70,7 +74,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     native_seqs: Tensor | None = None  # [N] sequences the native kernel runs (CPU int64)
     sdpa_chunks: list[int] = field(default_factory=list)  # indices into prefills that keep SDPA
-    windowed_masks: dict = field(default_factory=dict)  # (what, window) -> mask, built once per step
+    masks: dict = field(default_factory=dict)  # (what, window) -> mask, built on first use in a step
     layer_metas: list[AttentionMetadata] | None = None  # per layer, when layer groups have their own tables
 
     def for_layer(self, layer: int) -> AttentionMetadata:
@@ -82,26 +86,30 @@ class AttentionMetadata:
         if window is None:
             return self.decode_mask
         key = ("decode", window)
-        if key not in self.windowed_masks:
+        if key not in self.masks:
             span = self.decode_mask.shape[-1]
             lens = self.decode_seq_lens.unsqueeze(1)
             ar = torch.arange(span, device=lens.device)
             allowed = (ar < lens) & (ar >= lens - window)
-            self.windowed_masks[key] = _additive(allowed).view(-1, 1, 1, span)
-        return self.windowed_masks[key]
+            self.masks[key] = _additive(allowed).view(-1, 1, 1, span)
+        return self.masks[key]
 
     def chunk_mask_for(self, index: int, window: int | None) -> Tensor | None:
-        """Prefill chunk `index`'s mask [qlen, seq_len]; None means plain causal over new K/V."""
+        """Prefill chunk `index`'s additive mask [qlen, seq_len] (token j sees positions
+        <= cached + j, and > cached + j - window); None means plain causal over new K/V."""
         chunk = self.prefills[index]
-        if window is None or window >= chunk.seq_len:
-            return chunk.mask
+        if window is not None and window >= chunk.seq_len:
+            window = None
+        if window is None and not chunk.cached:
+            return None
         key = (index, window)
-        if key not in self.windowed_masks:
+        if key not in self.masks:
             s, q = chunk.seq_len, chunk.end - chunk.start
             keys = torch.arange(s, device=self.seq_lens.device).unsqueeze(0)
             pos = torch.arange(s - q, s, device=self.seq_lens.device).unsqueeze(1)
-            self.windowed_masks[key] = _additive((keys <= pos) & (pos - keys < window))
-        return self.windowed_masks[key]
+            allowed = keys <= pos if window is None else (keys <= pos) & (pos - keys < window)
+            self.masks[key] = _additive(allowed)
+        return self.masks[key]
 
     @property
     def num_decodes(self) -> int:
@@ -161,11 +169,7 @@ class AttentionMetadata:
             if q == 1:
                 continue
             s, start = seq_lens[i], qsl[i]
-            mask = None
-            if s != q:  # cached context: token j sees positions <= s - q + j
-                mask = _additive(torch.arange(s).unsqueeze(0) <= torch.arange(s - q, s).unsqueeze(1))
-                mask = mask.to(device)
-            prefills.append(PrefillChunk(i, start, start + q, s, -(-s // block_size), mask))
+            prefills.append(PrefillChunk(i, start, start + q, s, -(-s // block_size)))
         sdpa_chunks = [j for j, c in enumerate(prefills) if c.end - c.start >= SDPA_MIN]
         on_sdpa = {prefills[j].seq for j in sdpa_chunks}
         native = [i for i in range(num_seqs) if i not in on_sdpa]
@@ -341,15 +345,17 @@ def _prefill_chunk(
     """[q, H, D] of prefill chunk `index`: fresh prompts on the new K/V, others on gathered blocks."""
     chunk = meta.prefills[index]
     q = query[chunk.start : chunk.end].transpose(0, 1)  # [H, q, D]
-    mask = meta.chunk_mask_for(index, window)
-    if chunk.mask is None and new_kv is not None:
+    if not chunk.cached and new_kv is not None:
         k = new_kv[0][chunk.start : chunk.end].transpose(0, 1)
         v = new_kv[1][chunk.start : chunk.end].transpose(0, 1)
     else:
         blocks = meta.block_tables[chunk.seq, : chunk.num_blocks]
         k = _gather(k_cache, blocks, chunk.seq_len, query.dtype)
         v = _gather(v_cache, blocks, chunk.seq_len, query.dtype)
-    return _attend(q[None], k[None], v[None], mask, scale, softcap)[0].transpose(0, 1)
+    unwindowed = window is None or window >= chunk.seq_len
+    if chunk.cached and unwindowed and softcap is None and query.device.type == "cpu":
+        return _attend_after_prefix(q[None], k[None], v[None], chunk.cached, scale)[0].transpose(0, 1)
+    return _attend(q[None], k[None], v[None], meta.chunk_mask_for(index, window), scale, softcap)[0].transpose(0, 1)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
@@ -370,6 +376,18 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, 
     scores = scores + (mask.unsqueeze(1) if mask.dim() == 4 else mask).float()  # [B, 1, 1, M, N] or [M, N]
     out = scores.softmax(-1) @ v.float().unsqueeze(2)
     return out.view(b, h, m, d).to(q.dtype)
+
+
+def _attend_after_prefix(q: Tensor, k: Tensor, v: Tensor, cached: int, scale: float) -> Tensor:
+    """A chunk over `cached` earlier tokens without a mask: the prefix unmasked and the chunk
+    itself causal, two fused CPU kernels (a [q, context] mask makes SDPA's one compute and
+    read every masked score: ~1.6x slower), merged by their log-sum-exps."""
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o1, lse1 = sdpa(q, k[:, :, :cached], v[:, :, :cached], scale=scale)
+    o2, lse2 = sdpa(q, k[:, :, cached:], v[:, :, cached:], is_causal=True, scale=scale)
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - top).exp_().unsqueeze(-1), (lse2 - top).exp_().unsqueeze(-1)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
 def _gather(cache: Tensor, blocks: Tensor, length: int, dtype: torch.dtype) -> Tensor:

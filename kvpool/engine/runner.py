@@ -17,7 +17,7 @@ from torch import Tensor
 
 from kvpool.core.layer_groups import LayerGroups, group_layers
 from kvpool.engine.attention import AttentionMetadata, KVCache
-from kvpool.engine.kernels import paged_attention_available
+from kvpool.engine.kernels import fused_ops_available, paged_attention_available
 from kvpool.engine.kv_quant import allocate_caches
 from kvpool.engine.loader import LoadedModel
 from kvpool.sched.scheduler import SchedulerOutput
@@ -34,7 +34,8 @@ class ModelRunner:
     ) -> None:
         self.model = loaded.model
         if device.type == "cpu":
-            paged_attention_available()  # build (or load) the kernel now, not inside the first request's TTFT
+            paged_attention_available()  # build (or load) the kernels now, not inside the first request's TTFT
+            fused_ops_available()
         if pack_weights and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             self.model.pack_cpu_weights(q4_kernels)
             start = time.perf_counter()

@@ -42,9 +42,9 @@ class Preemption:
             n = len(s.token_ids) - entry(s.seq_id).num_tokens
             if n:
                 extras.append((s.seq_id, n))
-            elif kv.windowed and wanted is not None and wanted[i]:  # a prefill chunk
-                if kv.window_blocks_needed(s.seq_id, s.num_computed_tokens + wanted[i]):
-                    chunks.append((i, s))
+            elif (kv.windowed and wanted is not None and wanted[i]  # a prefill chunk
+                  and kv.window_blocks_needed(s.seq_id, s.num_computed_tokens + wanted[i])):
+                chunks.append((i, s))
         while extras or chunks:
             need = sum(kv.append_blocks_needed(sid, n) for sid, n in extras)
             free = kv.num_free_blocks - need
@@ -73,7 +73,7 @@ class Preemption:
         if need() <= free:
             return True
         assert wanted is not None
-        for i, s in reversed(chunks):
+        for i, _ in reversed(chunks):
             lo, hi = 1, wanted[i]
             wanted[i] = lo
             if need() > free:

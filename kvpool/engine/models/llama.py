@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention, write_kv
-from kvpool.engine.kernels import fused_ops_available, q4_linear_available
+from kvpool.engine.kernels import q4_linear_available
 from kvpool.engine.models import fused
 from kvpool.engine.models.config import ModelConfig, rope_inv_freq
 from kvpool.engine.models.quantized import Q4Linear, Q8Linear, q4_groups, q8_groups, row_limits
@@ -432,8 +432,6 @@ class LlamaForCausal(nn.Module):
             self._packed_head = Q8Linear(self._packed_head, head_groups, None, head_max, head_vector)
         self.quant_groups = {}
         self.q4_rows = max_rows if served_q4 else 0
-        if bf16:
-            fused_ops_available()  # build them now, not inside a served step
         if q4_kernels:
             logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups%s",
                         served_q4, 4 * len(self.layers), max_rows,
