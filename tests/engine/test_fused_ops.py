@@ -1,4 +1,4 @@
-"""Fused per-layer ops (bf16 steps; RoPE + K/V write in float32 too): each equals the torch ops it replaces."""
+"""Fused per-layer ops (bf16 steps; the norms and RoPE + K/V write in float32 too): each equals the torch ops it replaces."""
 
 from __future__ import annotations
 
@@ -74,12 +74,38 @@ def test_rope_and_kv_write_equal_torch_bit_for_bit(heads, kv_heads, t, dtype):
         fused.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots + blocks * bs, heads, kv_heads)
 
 
-def test_float32_keeps_torch_ops_but_the_bit_exact_rope():
-    """float32 is the exact path the HF tests pin: of the fused ops it takes only RoPE + the K/V
-    write, which equals torch bit for bit; bf16 steps of any row count take them all."""
-    assert not fused.usable(torch.zeros(4, 8))
-    assert fused.rope_usable(torch.zeros(4, 8)) == fused_ops_available()
+def test_float32_and_bf16_steps_take_the_fused_ops():
+    assert fused.usable(torch.zeros(4, 8)) == fused_ops_available()
     assert fused.usable(torch.zeros(4096, 8, dtype=BF16)) == fused_ops_available()
+    assert not fused.usable(torch.zeros(4, 8, dtype=torch.float16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [13, 700])  # one running sum; 16 lanes (prefill-sized steps)
+def test_float32_norm_and_residual_add_match_torch_but_for_summation_order(rows):
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(584, 1e-5)  # 584: a 16-lane tail of 8
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(584, generator=gen) + 0.5)
+    x, res = torch.randn(rows, 584, generator=gen) * 3, torch.randn(rows, 584, generator=gen)
+    # a few ulps: the squares are summed in another order
+    assert torch.allclose(fused.rms_norm(x, norm.weight, norm.eps), norm(x), rtol=2e-6, atol=0)
+    h, total = fused.add_rms_norm(x, res, norm.weight, norm.eps)
+    assert torch.equal(total, x + res)
+    assert torch.allclose(h, norm(x + res), rtol=2e-6, atol=0)
+    with pytest.raises(RuntimeError, match="weight"):
+        fused.rms_norm(x, norm.weight.to(BF16), norm.eps)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [9, 300])
+def test_float32_silu_mul_matches_torch_to_a_few_ulps(rows):
+    gen = torch.Generator().manual_seed(6)
+    gate_up = torch.randn(rows, 2 * 1540, generator=gen) * 4  # 1540: an 8- and a 16-lane tail of 4
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    assert torch.allclose(fused.silu_mul(gate_up), ref, rtol=1e-6, atol=1e-30)
 
 
 @needs_kernel
@@ -97,10 +123,12 @@ def test_prefill_sized_rows_match_torch_ops():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("rows", [5, 90])
-def test_fused_layer_loop_equals_layer_by_layer_forward(rows):
+def test_fused_layer_loop_equals_layer_by_layer_forward(rows, dtype):
     """The residual add carried into the next layer's norm changes no bit of the hidden states
-    (decode-sized and prefill-sized steps, one sequence of `rows` new tokens)."""
+    (decode-sized and prefill-sized steps, one sequence of `rows` new tokens); in float32 the
+    norms' summation order changes the last bits only."""
     from kvpool.engine.attention import AttentionMetadata
     from kvpool.engine.models.config import ModelConfig
     from kvpool.engine.models.llama import LlamaForCausal, allocate_kv_caches
@@ -112,15 +140,16 @@ def test_fused_layer_loop_equals_layer_by_layer_forward(rows):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
-    model = model.to(BF16)
+    model = model.to(dtype)
     assert model._fusable
     ids = torch.randint(0, 64, (rows,))
     meta = AttentionMetadata.build([rows], [rows], [list(range(-(-rows // 16)))], 16)
     outs = []
     for fusable in (True, False):
         model._fusable = fusable
-        caches = allocate_kv_caches(config, 8, 16, BF16, "cpu")
+        caches = allocate_kv_caches(config, 8, 16, dtype, "cpu")
         outs.append((model(ids, meta.positions, caches, meta), caches))
     (a, ca), (b, cb) = outs
-    assert torch.equal(a, b)
-    assert all(torch.equal(x, y) for pa, pb in zip(ca, cb, strict=True) for x, y in zip(pa, pb, strict=True))
+    same = torch.equal if dtype == BF16 else lambda x, y: torch.allclose(x, y, rtol=1e-5, atol=1e-5)
+    assert same(a, b)
+    assert all(same(x, y) for pa, pb in zip(ca, cb, strict=True) for x, y in zip(pa, pb, strict=True))

@@ -33,6 +33,8 @@ def build_dir(source: Path = SOURCE) -> Path:
     # -march=native: a cache shared between machines must not hand one CPU's build to another
     machine = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {' '.join(FLAGS)}"
     digest = hashlib.sha256(source.read_bytes() + machine.encode())
+    for header in sorted(source.parent.glob("*.h")):  # what the sources include: a change rebuilds
+        digest.update(header.read_bytes())
     return base / "kernels" / digest.hexdigest()[:12]
 
 

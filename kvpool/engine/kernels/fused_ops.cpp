@@ -1,11 +1,12 @@
-// Per-layer elementwise work of a bf16 step in one op each, where torch runs 5-9: RMSNorm
-// (+ the residual add before it), SiLU(gate) * up, and RoPE on Q and K with the K/V write into
+// Per-layer elementwise work of a step in one op each, where torch runs 5-9: RMSNorm (+ the
+// residual add before it), SiLU(gate) * up (bf16 only), and RoPE on Q and K with the K/V write into
 // the paged cache. In a decode step (~1,700 small ops at batch 8) they save dispatch; in a
 // prefill step they save the memory passes of torch's op chain (each op reads and writes the
 // whole activation). Each op rounds to bfloat16 where torch's sequence of bf16 ops rounds, so
 // results match those ops but for float32 summation order (norm) and exp's last bits. Every row
 // is computed alone; only the norm's summation order depends on the step's size (see norm_row).
-// RoPE + the K/V write also takes float32 steps, bit for bit equal to torch's float32 ops.
+// float32 steps: RoPE + the K/V write bit for bit equal to torch's float32 ops, the norm but for
+// the summation order of its squares.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -14,13 +15,14 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vec_exp.h"
 
 namespace {
+
+using namespace kvpool_vec;  // exp16, exp8
 
 using bf16 = c10::BFloat16;
 // Rows one thread takes at least: a decode step's elementwise work is microseconds, less than
@@ -30,29 +32,7 @@ constexpr int64_t kRowsPerThread = 64;
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
 
-void check_bf16_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1,
-              name, ": 2-D bfloat16 CPU tensor with contiguous rows");
-}
-
 #ifdef __AVX512F__
-// exp on 16 lanes, x clamped to [-87, 88]: 2^k * p(r), r = x - k ln2, |r| <= ln2/2, degree-6
-// polynomial (relative error ~2e-7, below bf16's 4e-3).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x);
-  const __m512 rr = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
-}
-
 inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
@@ -69,32 +49,52 @@ inline void store16(bf16* p, __m512 rounded) {
 }
 #endif
 
-// One row: sum = x + residual (bf16 add) when residual is given; out = w * bf16(sum * rsqrt(mean(sum^2) + eps)),
-// the product rounded again: torch's `weight * normed.to(bf16)`.
+// One row: sum = x + residual when residual is given; out = w * (sum * rsqrt(mean(sum^2) + eps)).
+// bf16: the sum and the normalized row rounded to bf16 before the weight multiplies, the product
+// rounded again (torch's `weight * normed.to(bf16)`). float32: each product rounded once, as
+// torch's float32 ops (built without contraction); only the summation order of the squares differs.
 // `lanes`: sum the squares in 16 float32 lanes (prefill steps); otherwise in one running sum,
 // element by element, as decode steps always have (their tokens stay those of earlier builds).
-void norm_row(const bf16* x, const bf16* residual, const bf16* w, float eps, int64_t n, bf16* out, bf16* sum_out,
-              float* scratch, bool lanes) {
+template <class T>
+void norm_row(const T* x, const T* residual, const T* w, float eps, int64_t n, T* out, T* sum_out, float* scratch,
+              bool lanes) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16>;
+  const auto rounded = [](float v) { return kBf16 ? round_bf16(v) : v; };
   float ss = 0.f;
   int64_t i = 0;
+  if (lanes) {
 #ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  for (; lanes && i + 16 <= n; i += 16) {
-    __m512 v = load16(x + i);
-    if (residual != nullptr) {
-      v = round16(_mm512_add_ps(v, load16(residual + i)));
-      store16(sum_out + i, v);
+    if constexpr (kBf16) {
+      __m512 acc = _mm512_setzero_ps();
+      for (; i + 16 <= n; i += 16) {
+        __m512 v = load16(x + i);
+        if (residual != nullptr) {
+          v = round16(_mm512_add_ps(v, load16(residual + i)));
+          store16(sum_out + i, v);
+        }
+        _mm512_storeu_ps(scratch + i, v);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+      }
+      ss = _mm512_reduce_add_ps(acc);
     }
-    _mm512_storeu_ps(scratch + i, v);
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
-  }
-  ss = _mm512_reduce_add_ps(acc);
 #endif
+    if constexpr (!kBf16) {  // 16 running sums the compiler keeps in vector registers
+      float acc[16] = {};
+      for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; ++j) {
+          float v = x[i + j];
+          if (residual != nullptr) sum_out[i + j] = v = v + residual[i + j];
+          scratch[i + j] = v;
+          acc[j] += v * v;
+        }
+      for (float a : acc) ss += a;
+    }
+  }
   for (; i < n; ++i) {
     float v = static_cast<float>(x[i]);
     if (residual != nullptr) {
-      v = round_bf16(v + static_cast<float>(residual[i]));
-      sum_out[i] = bf16(v);
+      v = rounded(v + static_cast<float>(residual[i]));
+      sum_out[i] = T(v);
     }
     scratch[i] = v;
     ss += v * v;
@@ -102,36 +102,47 @@ void norm_row(const bf16* x, const bf16* residual, const bf16* w, float eps, int
   const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   i = 0;
 #ifdef __AVX512F__
-  const __m512 rv = _mm512_set1_ps(r);
-  for (; i + 16 <= n; i += 16)
-    store16(out + i, round16(_mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(_mm512_loadu_ps(scratch + i), rv)))));
+  if constexpr (kBf16) {
+    const __m512 rv = _mm512_set1_ps(r);
+    for (; i + 16 <= n; i += 16)
+      store16(out + i, round16(_mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(_mm512_loadu_ps(scratch + i), rv)))));
+  }
 #endif
-  for (; i < n; ++i) out[i] = bf16(static_cast<float>(w[i]) * round_bf16(scratch[i] * r));
+  for (; i < n; ++i) out[i] = T(static_cast<float>(w[i]) * rounded(scratch[i] * r));
+}
+
+template <class T>
+void norm_rows(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps,
+               at::Tensor& out, at::Tensor& sum) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const bool add = residual.has_value(), lanes = rows > kRowsPerThread;
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(n);
+    for (int64_t r = begin; r < end; ++r) {
+      norm_row<T>(x.data_ptr<T>() + r * x.stride(0), add ? residual->data_ptr<T>() + r * residual->stride(0) : nullptr,
+                  wp, static_cast<float>(eps), n, out.data_ptr<T>() + r * n, add ? sum.data_ptr<T>() + r * n : nullptr,
+                  scratch.data(), lanes);
+    }
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                      const at::Tensor& weight, double eps) {
-  check_bf16_rows(x, "x");
-  const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == n,
-              "weight: bfloat16 [hidden]");
-  const bool add = residual.has_value();
-  if (add) {
-    check_bf16_rows(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "residual: shaped like x");
-  }
-  at::Tensor out = at::empty({rows, n}, x.options());
-  at::Tensor sum = add ? at::empty({rows, n}, x.options()) : x;
-  const bf16* wp = weight.data_ptr<bf16>();
-  const bool lanes = rows > kRowsPerThread;
-  at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(n);
-    for (int64_t r = begin; r < end; ++r) {
-      norm_row(x.data_ptr<bf16>() + r * x.stride(0), add ? residual->data_ptr<bf16>() + r * residual->stride(0) : nullptr,
-               wp, static_cast<float>(eps), n, out.data_ptr<bf16>() + r * n,
-               add ? sum.data_ptr<bf16>() + r * n : nullptr, scratch.data(), lanes);
-    }
-  });
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && (dt == at::kBFloat16 || dt == at::kFloat) && x.dim() == 2 && x.stride(1) == 1,
+              "x: 2-D float32 or bfloat16 CPU tensor with contiguous rows");
+  TORCH_CHECK(weight.scalar_type() == dt && weight.is_contiguous() && weight.numel() == x.size(1),
+              "weight: [hidden], x's dtype");
+  if (residual.has_value())
+    TORCH_CHECK(residual->scalar_type() == dt && residual->sizes() == x.sizes() && residual->stride(1) == 1,
+                "residual: shaped and typed like x, contiguous rows");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor sum = residual.has_value() ? at::empty(x.sizes(), x.options()) : x;
+  if (dt == at::kFloat)
+    norm_rows<float>(x, residual, weight, eps, out, sum);
+  else
+    norm_rows<bf16>(x, residual, weight, eps, out, sum);
   return {out, sum};
 }
 
@@ -145,31 +156,61 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 
-// out = bf16(bf16(silu(gate)) * up), torch's F.silu then `*` in bf16.
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_bf16_rows(gate_up, "gate_up");
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: [T, 2 * intermediate]");
-  at::Tensor out = at::empty({rows, inter}, gate_up.options());
-  at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const bf16* g = gate_up.data_ptr<bf16>() + r * gate_up.stride(0);
-      const bf16* u = g + inter;
-      bf16* o = out.data_ptr<bf16>() + r * inter;
-      int64_t i = 0;
+// out = silu(gate) * up, silu(x) = x / (1 + exp(-x)), each op rounded as torch's F.silu then `*`
+// round it (bf16: to bf16 after each); exp's last bits differ from torch's.
+template <class T>
+void silu_mul_row(const T* g, const T* u, int64_t n, T* o) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, bf16>) {
 #ifdef __AVX512F__
-      for (; i + 16 <= inter; i += 16) {
-        const __m512 x = load16(g + i);
-        const __m512 s = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
-        store16(o + i, round16(_mm512_mul_ps(s, load16(u + i))));
-      }
-#endif
-      for (; i < inter; ++i) {
-        const float x = static_cast<float>(g[i]);
-        o[i] = bf16(round_bf16(x / (1.f + std::exp(-x))) * static_cast<float>(u[i]));
-      }
+    for (; i + 16 <= n; i += 16) {
+      const __m512 x = load16(g + i);
+      const __m512 s = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+      store16(o + i, round16(_mm512_mul_ps(s, load16(u + i))));
     }
-  });
+#endif
+    for (; i < n; ++i) {
+      const float x = static_cast<float>(g[i]);
+      o[i] = bf16(round_bf16(x / (1.f + std::exp(-x))) * static_cast<float>(u[i]));
+    }
+  } else {
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+      const __m512 x = _mm512_loadu_ps(g + i);
+      const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) {
+      const __m256 x = _mm256_loadu_ps(g + i);
+      const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const auto dt = gate_up.scalar_type();
+  TORCH_CHECK(gate_up.device().is_cpu() && (dt == at::kBFloat16 || dt == at::kFloat) && gate_up.dim() == 2 &&
+                  gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up: 2-D float32 or bfloat16 CPU tensor [T, 2 * intermediate] with contiguous rows");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  const auto rows_of = [&](auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* g = gate_up.data_ptr<T>() + r * gate_up.stride(0);
+        silu_mul_row<T>(g, g + inter, inter, out.data_ptr<T>() + r * inter);
+      }
+    });
+  };
+  if (dt == at::kFloat)
+    rows_of(float{});
+  else
+    rows_of(bf16{});
   return out;
 }
 

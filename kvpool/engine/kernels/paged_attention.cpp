@@ -27,11 +27,11 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "vec_exp.h"
 
 namespace {
+
+using namespace kvpool_vec;  // exp16, exp8
 
 constexpr int64_t kTile = 32;       // key positions per tile (one online-softmax step)
 constexpr int64_t kRowsTarget = 16;  // query rows (tokens x group) a unit aims for
@@ -326,25 +326,6 @@ void prefetch_item(const Problem& p, const Unit& u, int64_t k0, int64_t k1) {
 #endif
 
 #ifdef __AVX512F__
-// exp on 16 lanes for x >= -87: 2^n * poly(r), |r| <= ln2/2, degree-7 Taylor (relative error
-// < 1e-8 + rounding).
-__attribute__((always_inline)) inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 y = _mm512_set1_ps(1.0f / 5040);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 720));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
-
 // Lane i of the result = the sum of a[i]'s 16 lanes: a transpose-and-add tree (30 shuffles,
 // 15 adds for 16 sums) instead of 16 horizontal reductions.
 __attribute__((always_inline)) inline __m512 sum16(const __m512* a) {
@@ -607,25 +588,6 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
 // AVX2 path (8 lanes, 16 registers): the AVX-512 path's plan on fp32 queries. fp32 K/V rows are
 // read in place, other caches through `load_tile`; a row's 8 scores per key group come from a
 // horizontal-add tree, and P.V keeps up to 3 rows x 32 dims of accumulators in registers.
-
-// exp on 8 lanes for x in [-87, 0]: exp16's polynomial, 2^n built in the exponent bits.
-__attribute__((always_inline)) inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 y = _mm256_set1_ps(1.0f / 5040);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 720));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 120));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 24));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 6));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 inline float hmax8(__m256 v) {
   __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

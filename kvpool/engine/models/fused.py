@@ -1,13 +1,13 @@
-"""bf16 steps through fused per-layer ops (`engine/kernels/fused_ops.cpp`).
+"""Steps through fused per-layer ops (`engine/kernels/fused_ops.cpp`).
 
 A decode step at batch 8 runs ~600 torch ops, most of them elementwise work on a few thousand
 values whose dispatch costs more than their arithmetic; a 2,048-token prefill step spends a
 fifth of its time in the chains of elementwise ops (each a pass over the activations) that
-RMSNorm, SiLU * up and RoPE are in torch. In bf16 every step, whatever its row count, runs
-RMSNorm (+ the residual add), SiLU * up and RoPE + the K/V write as one op each, rounding
-where torch's bf16 ops round. float32 steps take only RoPE + the K/V write (~12 ops a layer in
-torch), which rounds as torch's float32 ops do, bit for bit: the norms and SiLU stay torch's,
-the exact path the HF tests pin.
+RMSNorm, SiLU * up and RoPE are in torch. bf16 steps run RMSNorm (+ the residual add), SiLU *
+up and RoPE + the K/V write as one op each, rounding where torch's bf16 ops round. float32
+steps take them too: RoPE + the K/V write round as torch's float32 ops do, bit for bit; the
+norm differs in the summation order of its squares and SiLU in exp's last bits (a few ulps, as
+the 4-bit kernels' sums already differ from a dense matmul).
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from kvpool.engine.kernels import fused_ops_available
 
 
 def usable(x: Tensor) -> bool:
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and fused_ops_available()
-
-
-def rope_usable(x: Tensor) -> bool:
+    """The fused ops take x's rows (float32 or bf16, on CPU, the kernel built)."""
     return x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu" and fused_ops_available()
 
 

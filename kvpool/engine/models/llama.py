@@ -177,7 +177,7 @@ class LlamaAttention(nn.Module):
             and 2 * cos.shape[-1] == self.head_dim
             and cos.dtype == k_cache.dtype == qkv.dtype
             and k_cache.is_contiguous()
-            and fused.rope_usable(qkv)
+            and fused.usable(qkv)
         )
 
 
@@ -228,10 +228,10 @@ class LlamaLayer(nn.Module):
     def fused_forward(
         self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> tuple[Tensor, Tensor]:
-        """`forward` on bf16 rows through the fused ops, the residual add carried into the next
-        norm: takes (the previous layer's MLP output, the residual stream before it; None in
-        the first layer, where x is the stream) and returns the same pair. Equals `forward`
-        bit for bit: both round the sum to bf16 before normalizing it."""
+        """`forward` through the fused ops (bf16 or float32 rows), the residual add carried into
+        the next norm: takes (the previous layer's MLP output, the residual stream before it;
+        None in the first layer, where x is the stream) and returns the same pair. In bf16 it
+        equals `forward` bit for bit (both round the sum to bf16 before normalizing it)."""
         norm = self.input_layernorm
         if residual is None:
             h, residual = fused.rms_norm(x, norm.weight, norm.eps), x
@@ -375,7 +375,7 @@ class LlamaForCausal(nn.Module):
         self, x: Tensor, rope: tuple[Tensor, Tensor], local: tuple[Tensor, Tensor], kv_caches: list[KVCache],
         meta: AttentionMetadata, num_tokens: int,
     ) -> Tensor:
-        """The layer loop of `forward` on the fused ops (every layer `fusable`, bf16 rows)."""
+        """The layer loop of `forward` on the fused ops (every layer `fusable`, bf16 or float32 rows)."""
         residual = None
         before = self.before_layer
         grouped = meta.layer_metas is not None
