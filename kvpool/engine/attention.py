@@ -6,7 +6,8 @@ CPU path: a native kernel (kernels/paged_attention.cpp) runs decode rows and sho
 chunks, each row reading only its own context through its block table. Chunks of `SDPA_MIN`
 tokens or more keep SDPA's fused kernel (matmul-bound there; the kernel wins below 48-64 tokens,
 measured): fresh prompts on the new K/V, chunks over a cached prefix on their own gathered
-blocks, a copy of O(context) amortized over >= SDPA_MIN query rows. Without a
+blocks, a copy of O(context) amortized over >= SDPA_MIN query rows (unmasked against the
+prefix, causal against themselves, merged by log-sum-exp). Without a
 compiler the torch path runs instead: decode rows as one batched gather + SDPA (padded to the
 longest context), each prefill chunk its own SDPA. CUDA path: a small Triton kernel when triton
 is importable.
