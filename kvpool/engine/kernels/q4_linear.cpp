@@ -38,115 +38,6 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kMaxRows = 8;  // activation rows one weight pass serves
 
-#ifdef __AVX512F__
-template <int R>
-void q4_rows(const float* x, int64_t k, const uint8_t* qs, const float* scale, const float* mins,
-             float* y, int64_t n_out, int64_t n_begin, int64_t n_end) {
-  const int64_t groups = k / kGroup;
-  const __m512i low_mask = _mm512_set1_epi32(15);
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    __m512 acc_lo[R], acc_hi[R];
-    for (int r = 0; r < R; ++r) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
-    const uint8_t* q = qs + n * (k / 2);
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512i nibbles = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16)));
-      const __m512 d = _mm512_set1_ps(scale[n * groups + g]);
-      const __m512 m = _mm512_set1_ps(mins[n * groups + g]);
-      const __m512 w_lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(nibbles, low_mask)), d), m);
-      const __m512 w_hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(nibbles, 4)), d), m);
-      for (int r = 0; r < R; ++r) {
-        const float* xg = x + r * k + g * kGroup;
-        acc_lo[r] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xg), acc_lo[r]);
-        acc_hi[r] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xg + 16), acc_hi[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r * n_out + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
-  }
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// 8 lanes: a group is 4 x 8 weights (low nibbles of bytes 0-7, 8-15, then their high nibbles);
-// rows below 4 keep two accumulators each so the FMA chains overlap, up to 8 rows fit one each.
-template <int R>
-void q4_rows(const float* x, int64_t k, const uint8_t* qs, const float* scale, const float* mins,
-             float* y, int64_t n_out, int64_t n_begin, int64_t n_end) {
-  constexpr int A = R < 4 ? 2 : 1;
-  const int64_t groups = k / kGroup;
-  const __m256i low_mask = _mm256_set1_epi32(15);
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    __m256 acc[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-    const uint8_t* q = qs + n * (k / 2);
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256 d = _mm256_set1_ps(scale[n * groups + g]);
-      const __m256 m = _mm256_set1_ps(mins[n * groups + g]);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + g * 16 + 8 * h)));
-        const __m256 w_lo = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, low_mask)), d), m);
-        const __m256 w_hi = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), d), m);
-        for (int r = 0; r < R; ++r) {
-          const float* xg = x + r * k + g * kGroup + 8 * h;
-          acc[r][0] = _mm256_fmadd_ps(w_lo, _mm256_loadu_ps(xg), acc[r][0]);
-          acc[r][A - 1] = _mm256_fmadd_ps(w_hi, _mm256_loadu_ps(xg + 16), acc[r][A - 1]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      __m256 v = acc[r][0];
-      if constexpr (A == 2) v = _mm256_add_ps(v, acc[r][1]);
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      y[r * n_out + n] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-    }
-  }
-}
-#else
-template <int R>
-void q4_rows(const float* x, int64_t k, const uint8_t* qs, const float* scale, const float* mins,
-             float* y, int64_t n_out, int64_t n_begin, int64_t n_end) {
-  const int64_t groups = k / kGroup;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    float acc[R] = {};
-    const uint8_t* q = qs + n * (k / 2);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float d = scale[n * groups + g], m = mins[n * groups + g];
-      for (int64_t j = 0; j < 16; ++j) {
-        const uint8_t byte = q[g * 16 + j];
-        const float w_lo = static_cast<float>(byte & 15) * d + m;
-        const float w_hi = static_cast<float>(byte >> 4) * d + m;
-        for (int r = 0; r < R; ++r) acc[r] += w_lo * x[r * k + g * kGroup + j] + w_hi * x[r * k + g * kGroup + 16 + j];
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r * n_out + n] = acc[r];
-  }
-}
-#endif
-
-using RowsFn = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t);
-constexpr RowsFn kRowsFns[kMaxRows] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>,
-                                       q4_rows<5>, q4_rows<6>, q4_rows<7>, q4_rows<8>};
-
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x: 2-D float32 CPU");
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte, "qs: 2-D uint8 [N, K/2]");
-  const int64_t rows = x.size(0), k = x.size(1), n_out = qs.size(0);
-  TORCH_CHECK(k % kGroup == 0 && qs.size(1) * 2 == k, "K must be a multiple of 32 and match qs");
-  TORCH_CHECK(scale.sizes() == mins.sizes() && scale.size(0) == n_out && scale.size(1) == k / kGroup,
-              "scale and mins: float32 [N, K/32]");
-  const at::Tensor xc = x.contiguous(), qc = qs.contiguous(), sc = scale.contiguous(), mc = mins.contiguous();
-  at::Tensor y = at::empty({rows, n_out}, x.options());
-  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-    const int64_t r = std::min(kMaxRows, rows - r0);
-    const float* xp = xc.data_ptr<float>() + r0 * k;
-    float* yp = y.data_ptr<float>() + r0 * n_out;
-    at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-      kRowsFns[r - 1](xp, k, qc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mc.data_ptr<float>(), yp, n_out, begin, end);
-    });
-  }
-  return y;
-}
-
-
 // --- bfloat16 activations ------------------------------------------------------------------
 
 constexpr int64_t kMaxRowsBf16 = 16;  // accumulators one weight pass keeps in registers
@@ -329,12 +220,9 @@ Q8Format q8_format(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   return {qs.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(1) / kGroup};
 }
 
-at::Tensor q4_linear_any(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
-  if (x.scalar_type() != at::kBFloat16) return q4_linear(x, qs, scale, mins);
-  return linear_bf16(q4_format(x, qs, scale, mins), x, qs.size(0));
-}
 
-// float32 activations over a weight format (the Q8_0 head): q4_rows' contract, any format.
+
+// float32 activations over a weight format (Q4_1 projections, the Q8_0 head), chunks of kMaxRows rows.
 #if defined(__AVX512F__)
 template <class Fmt, int R>
 void rows_f32(const Fmt& f, const float* x, int64_t k, float* y, int64_t n_out, int64_t n_begin, int64_t n_end) {
@@ -352,19 +240,23 @@ void rows_f32(const Fmt& f, const float* x, int64_t k, float* y, int64_t n_out, 
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
+// Rows below 4 keep two accumulators each so the FMA chains overlap; up to 8 rows fit one each.
 template <class Fmt, int R>
 void rows_f32(const Fmt& f, const float* x, int64_t k, float* y, int64_t n_out, int64_t n_begin, int64_t n_end) {
+  constexpr int A = R < 4 ? 2 : 1;
   for (int64_t n = n_begin; n < n_end; ++n) {
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
     for (int64_t g = 0; g < f.groups; ++g)
       for (int h = 0; h < 4; ++h) {
         const __m256 w = f.group8(n, g, h);
         for (int r = 0; r < R; ++r)
-          acc[r][h & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * k + g * kGroup + 8 * h), acc[r][h & 1]);
+          acc[r][h % A] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * k + g * kGroup + 8 * h), acc[r][h % A]);
       }
     for (int r = 0; r < R; ++r) {
-      const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
+      __m256 v = acc[r][0];
+      if constexpr (A == 2) v = _mm256_add_ps(v, acc[r][1]);
       __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
       s = _mm_add_ps(s, _mm_movehl_ps(s, s));
       y[r * n_out + n] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
@@ -404,6 +296,13 @@ at::Tensor linear_f32(const Fmt& f, const at::Tensor& x, int64_t n_out) {
     });
   }
   return y;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "q4_linear: x must be float32 or bfloat16");
+  if (x.scalar_type() == at::kFloat) return linear_f32(q4_format(x, qs, scale, mins), x, qs.size(0));
+  return linear_bf16(q4_format(x, qs, scale, mins), x, qs.size(0));
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
@@ -639,7 +538,7 @@ TORCH_LIBRARY(kvpool, m) {
   m.def("amx_unavailable() -> str", amx_unavailable);
 }
 TORCH_LIBRARY_IMPL(kvpool, CPU, m) {
-  m.impl("q4_linear", q4_linear_any);
+  m.impl("q4_linear", q4_linear);
   m.impl("q8_linear", q8_linear);
   m.impl("q4_linear_amx", q4_linear_amx);
   m.impl("q8_linear_amx", q8_linear_amx);
