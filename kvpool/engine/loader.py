@@ -6,6 +6,7 @@ of the Q/K rows is undone so the model uses HF's rotate_half convention for ever
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -23,12 +24,12 @@ import torch
 from tokenizers import Tokenizer as FastTokenizer
 from torch import Tensor
 
-from kvpool.engine.models.config import ModelConfig, rope_inv_freq
+from kvpool.engine.models import quantized
+from kvpool.engine.models.config import ModelConfig
 from kvpool.engine.models.gguf_config import gguf_model_config
 from kvpool.engine.models.gguf_file import GGUFFile, GGUFTensor
 from kvpool.engine.models.hf_config import hf_config_to_model_config
 from kvpool.engine.models.llama import LlamaForCausal
-from kvpool.engine.models.quantized import model_groups
 from kvpool.engine.tokenizer import Tokenizer
 from kvpool.errors import ConfigError
 
@@ -74,16 +75,12 @@ def load_model(
         config, weights, tokenizer = _read_gguf_cached(path)
     else:
         raise ConfigError(f"model path {str(path)!r} is neither a .gguf file nor an HF directory")
-    with torch.device("meta"):
-        model = LlamaForCausal(config)
-    model = model.to_empty(device="cpu")
-    model.rotary.set_inv_freq(rope_inv_freq(config))
-    if model.local_rotary is not None:
-        model.local_rotary.set_inv_freq(rope_inv_freq(config, local=True))
+    model = LlamaForCausal(config)  # its weights allocated, not initialized (no meta device: see CheckpointLinear)
     model.load_weights(weights)
-    if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
-        # the cast rounds the weights: recover their exact groups now, for the quantized kernels
-        model.quant_groups = model_groups(model, "embed_tokens.weight" if model.lm_head is None else "lm_head")
+    if torch.device(device).type == "cpu" and (dtype == torch.bfloat16 or path.suffix == ".gguf"):
+        # the exact groups for the quantized kernels: before a bf16 cast rounds the weights, and
+        # for a GGUF file from its cache (recovering them takes ~3 s in every process)
+        model.quant_groups = _quant_groups(model, path)
     model = model.to(device=device, dtype=dtype).eval()
     for rotary in (model.rotary, model.local_rotary):
         if rotary is not None:
@@ -203,6 +200,33 @@ def _read_gguf_cached(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tens
         logger.warning("could not cache dequantized weights at %s: %s", cache, e)
         shutil.rmtree(tmp, ignore_errors=True)
     return config, iter(tensors.items()), tokenizer
+
+
+def _quant_groups(model: LlamaForCausal, path: Path) -> dict[str, tuple[Tensor, ...]]:
+    """`model_groups` of the loaded weights; for a GGUF file recovered once and cached beside
+    its dequantized weights, keyed by the code that recovers them (a change there redoes it)."""
+    head = "embed_tokens.weight" if model.lm_head is None else "lm_head"
+    if path.suffix != ".gguf":
+        return quantized.model_groups(model, head)
+    from safetensors.torch import load_file, save_file
+
+    code = hashlib.sha256(Path(quantized.__file__).read_bytes()).hexdigest()[:12]
+    file = gguf_cache_dir(path) / f"groups-{code}.safetensors"
+    if file.is_file():
+        parts: dict[str, dict[int, Tensor]] = {}
+        for key, t in load_file(file).items():
+            name, i = key.rsplit("#", 1)
+            parts.setdefault(name, {})[int(i)] = t
+        return {name: tuple(p[i] for i in range(len(p))) for name, p in parts.items()}
+    found = quantized.model_groups(model, head)
+    tmp = file.with_name(f".tmp-{os.getpid()}-{file.name}")
+    try:
+        save_file({f"{name}#{i}": t for name, g in found.items() for i, t in enumerate(g)}, tmp)
+        os.replace(tmp, file)
+    except OSError as e:  # no cache directory (read-only home), ...
+        logger.warning("could not cache the quantized groups at %s: %s", file, e)
+        tmp.unlink(missing_ok=True)
+    return found
 
 
 def _mkdirs(path: Path) -> bool:

@@ -40,7 +40,7 @@ class ModelRunner:
             self.model.pack_cpu_weights(q4_kernels)
             start = time.perf_counter()
             self.model.warm_up_packed(max_num_batched_tokens + max_num_seqs, max_num_seqs)
-            logger.info("CPU kernels for every batch shape built in %.1fs", time.perf_counter() - start)
+            logger.info("CPU kernels for decode-sized batches built in %.1fs", time.perf_counter() - start)
         self.config = loaded.config
         self.block_size = block_size
         self.device = device

@@ -153,3 +153,90 @@ def test_fused_layer_loop_equals_layer_by_layer_forward(rows, dtype):
     same = torch.equal if dtype == BF16 else lambda x, y: torch.allclose(x, y, rtol=1e-5, atol=1e-5)
     assert same(a, b)
     assert all(same(x, y) for pa, pb in zip(ca, cb, strict=True) for x, y in zip(pa, pb, strict=True))
+
+
+def _centered_q4_1(n: int, k: int, seed: int) -> torch.Tensor:
+    """Exact Q4_1 weights (float16 scale and min per 32) centred on zero, so that each token's
+    hidden state, and each window's attention, shows in the output."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15
+    scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    return (q * scale + (-7.5 * scale).half().float()).reshape(n, k)
+
+
+def _q4_model(dtype: torch.dtype, windows: tuple):
+    """A 3-layer Llama whose projections are exact Q4_1 weights, packed onto the 4-bit kernels."""
+    from kvpool.engine.models.config import ModelConfig
+    from kvpool.engine.models.llama import LlamaForCausal
+    from kvpool.engine.models.quantized import model_groups
+
+    torch.manual_seed(5)
+    config = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=32, layer_windows=windows)
+    model = LlamaForCausal(config)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            if "embed" in name:
+                p.normal_(0, 1)
+            else:
+                p.copy_(_centered_q4_1(*p.shape, seed=i) if p.dim() == 2 else p.normal_(1, 0.2))
+    if dtype == BF16:
+        model.quant_groups = model_groups(model, "embed_tokens.weight")
+    model = model.to(dtype)
+    model.pack_cpu_weights(q4_kernels=True)
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("windows", [(), (None, 8, None)], ids=["full", "window"])
+def test_native_decode_loop_equals_the_python_layer_loop_bit_for_bit(dtype, windows):
+    """A decode-sized step (two decode rows, a short chunk over a cached prefix) through the
+    native layer loop gives the Python loop's hidden states and KV writes exactly."""
+    from kvpool.engine.attention import AttentionMetadata
+    from kvpool.engine.kernels import decode_loop_available
+    from kvpool.engine.models.llama import allocate_kv_caches
+
+    if not decode_loop_available():
+        pytest.skip("the native decode loop could not be built (see the log)")
+    model = _q4_model(dtype, windows)
+    loop = model._loop
+    assert loop is not None
+    qlens, slens = [1, 5, 1], [20, 16, 37]
+    tables = [[0, 1], [2, 3], [4, 5, 6]]
+    meta = AttentionMetadata.build(qlens, slens, tables, 16)
+    ids = torch.randint(0, 64, (sum(qlens),))
+    gen = torch.Generator().manual_seed(1)
+    start = [(k.normal_(generator=gen), v.normal_(generator=gen))
+             for k, v in allocate_kv_caches(model.config, 8, 16, dtype, "cpu")]
+    outs = []
+    for native in (True, False):
+        model._loop = loop if native else None
+        caches = [(k.clone(), v.clone()) for k, v in start]
+        if native:
+            x = model.embed_tokens(ids)
+            assert loop.takes(x, caches, meta)
+        outs.append((model(ids, meta.positions, caches, meta), caches))
+    (a, ca), (b, cb) = outs
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for pa, pb in zip(ca, cb, strict=True) for x, y in zip(pa, pb, strict=True))
+
+
+@needs_kernel
+def test_native_decode_loop_leaves_larger_steps_to_the_python_loop():
+    """Rows past the 4-bit kernels' limit (dense projections) do not take the native loop."""
+    from kvpool.engine.attention import AttentionMetadata
+
+    model = _q4_model(torch.float32, ())
+    loop = model._loop
+    if loop is None:
+        pytest.skip("the native decode loop could not be built (see the log)")
+    rows = loop.limits.max_rows + 1
+    meta = AttentionMetadata.build([rows], [rows], [list(range(-(-rows // 16)))], 16)
+    from kvpool.engine.models.llama import allocate_kv_caches
+
+    caches = allocate_kv_caches(model.config, 8, 16, torch.float32, "cpu")
+    assert not loop.takes(torch.zeros(rows, 128), caches, meta)
+    assert loop.takes(torch.zeros(loop.limits.max_rows, 128), caches, AttentionMetadata.build(
+        [loop.limits.max_rows], [loop.limits.max_rows], [list(range(-(-loop.limits.max_rows // 16)))], 16))

@@ -303,3 +303,31 @@ def test_bf16_model_prefill_chunk_on_amx_tiles_matches_the_dense_model(bf16_q4):
     ref, ours = logits
     assert (ref - ours).abs().max().item() <= 1.0
     assert (ref.argmax(-1) == ours.argmax(-1)).sum().item() >= len(ids) - 1
+
+
+def test_a_gguf_models_groups_are_recovered_once_then_read_from_its_cache(tmp_path, monkeypatch):
+    """The loader recovers a GGUF model's exact groups once (seconds on the bundled model) and
+    caches them beside its dequantized weights; a later load reads the same groups back."""
+    from kvpool.engine import loader
+    from kvpool.engine.models.config import ModelConfig
+    from kvpool.engine.models.llama import LlamaForCausal
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=32)
+    model = LlamaForCausal(config)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            p.copy_(q8_0_weight(*p.shape, seed=i) if name in ("embed_tokens.weight", "lm_head") else
+                    q4_1_weight(*p.shape, seed=i) if p.dim() == 2 else torch.ones_like(p))
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(b"GGUF")
+    loader.gguf_cache_dir(path).mkdir(parents=True)
+    first = loader._quant_groups(model, path)
+    head = "embed_tokens.weight" if config.tie_word_embeddings else "lm_head"
+    assert len(first) == 4 * config.num_layers + 1 and len(first[head]) == 2
+    assert len(list(loader.gguf_cache_dir(path).glob("groups-*.safetensors"))) == 1
+    monkeypatch.setattr(quantized, "model_groups", lambda *a: pytest.fail("recovered again"))
+    second = loader._quant_groups(model, path)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(a, b) for name in first for a, b in zip(first[name], second[name], strict=True))

@@ -4,8 +4,8 @@ Only what torch lacks lives here: float32 and bfloat16 matmuls over the checkpoi
 (Q4_1) and 8-bit (Q8_0) groups that use exactly the dense copy's weights (torch's int4 CPU
 kernel takes its own packing and bf16 activations only, which would change the model's
 numbers), paged attention that reads each sequence's K/V through its block table, and fused
-per-layer elementwise ops (bf16 steps; RoPE + the K/V write in float32 too: in decode dispatch
-is their cost, in prefill the memory passes of torch's op chain). If no
+per-layer elementwise ops (in decode dispatch is their cost, in prefill the memory passes of
+torch's op chain), and one op that runs a decode step's layer loop over those kernels. If no
 compiler is at hand the engine keeps its dense float weights and its torch attention.
 """
 
@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("q4_linear.cpp")
 ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FUSED_SOURCE = Path(__file__).with_name("fused_ops.cpp")
+LOOP_SOURCE = Path(__file__).with_name("layer_loop.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 
@@ -120,3 +121,13 @@ def paged_attention_available() -> bool:
 def fused_ops_available() -> bool:
     """`torch.ops.kvpool_fused.*`; `KVPOOL_FUSED_OPS=0` keeps torch's op-by-op path."""
     return _available("kvpool_fused_ops", FUSED_SOURCE, "fused per-layer ops", "torch ops", "KVPOOL_FUSED_OPS")
+
+
+@cache
+def decode_loop_available() -> bool:
+    """`torch.ops.kvpool_loop.decode_layers`: the layer loop over the kernels above, which it
+    calls through the dispatcher (so they load first); `KVPOOL_DECODE_LOOP=0` keeps Python's."""
+    if not (q4_linear_available() and paged_attention_available() and fused_ops_available()):
+        return False
+    return _available("kvpool_layer_loop", LOOP_SOURCE, "the native decode layer loop", "the Python layer loop",
+                      "KVPOOL_DECODE_LOOP")

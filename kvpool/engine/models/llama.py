@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention, write_kv
-from kvpool.engine.kernels import q4_linear_available
+from kvpool.engine.kernels import decode_loop_available, q4_linear_available
 from kvpool.engine.models import fused
 from kvpool.engine.models.config import ModelConfig, rope_inv_freq
 from kvpool.engine.models.quantized import Q4Linear, Q8Linear, q4_groups, q8_groups, row_limits
@@ -118,6 +118,15 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class CheckpointLinear(nn.Linear):
+    """An nn.Linear allocated but not initialized: `load_weights` fills every parameter (and
+    refuses a checkpoint that misses one). Random init under the meta device runs torch's
+    Python decompositions, whose first use imports ~3 s of modules into every process."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class LlamaAttention(nn.Module):
     """Fused QKV projection; optional per-head q/k norms; rope on Q and K together; KV written
     to slots, then paged attention (windowed and soft-capped where the layer is)."""
@@ -130,8 +139,8 @@ class LlamaAttention(nn.Module):
             config.head_dim,
         )
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(
+        self.qkv_proj = CheckpointLinear(config.hidden_size, qkv_out, bias=config.qkv_bias)
+        self.o_proj = CheckpointLinear(
             config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias
         )
         if config.qk_norm:
@@ -194,8 +203,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         bias = config.mlp_bias
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = CheckpointLinear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = CheckpointLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
@@ -299,6 +308,12 @@ class PackedLinear(nn.Module):
             rows = bucket + 1
 
 
+# Row buckets worth building before the first step: a kernel's build costs ~1.5-2 ms whatever
+# the rows (measured, one thread), most of an 8-row projection's time but under a tenth of a
+# 256-row one's, so larger buckets build on first use. Building all 49 took 7 s a process.
+WARM_UP_ROWS = 256
+
+
 class FrozenLinear(nn.Module):
     """`F.linear` on a frozen weight: the dense copy where oneDNN cannot pack the dtype."""
 
@@ -324,12 +339,14 @@ def can_pack_weights(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 
 class LlamaForCausal(nn.Module):
-    """The decoder; `forward` returns final-normed hidden states, `compute_logits` projects."""
+    """The decoder; `forward` returns final-normed hidden states, `compute_logits` projects.
+    Its weights are uninitialized until `load_weights` (norms start at ones)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(LlamaLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.rotary = Rotary(config)
@@ -341,8 +358,9 @@ class LlamaForCausal(nn.Module):
         # Quantized groups recovered by the loader before a cast to bf16 (module name -> groups)
         self.quant_groups: dict[str, tuple[Tensor, ...]] = {}
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.randn(config.vocab_size, config.hidden_size) * 0.02)
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         self._fusable = all(layer.fusable for layer in self.layers)
+        self._loop: fused.DecodeLoop | None = None  # decode-sized steps' native layer loop, once packed
 
     @torch.inference_mode()
     def forward(
@@ -363,6 +381,9 @@ class LlamaForCausal(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         rope = self.rotary(positions, x.dtype)
         local = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rope
+        loop = self._loop
+        if loop is not None and num_tokens <= self.q4_rows and self.before_layer is None and loop.takes(x, kv_caches, meta):
+            return loop(x, rope, local, kv_caches, meta)
         if self._fusable and fused.usable(x):
             return self._fused_layers(x, rope, local, kv_caches, meta, num_tokens)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -416,39 +437,70 @@ class LlamaForCausal(nn.Module):
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
                 lin = getattr(owner, name)
                 packed: nn.Module = dense_linear(lin.weight, lin.bias)
-                groups = self._groups(f"layers.{i}.{'self_attn' if owner is attn else 'mlp'}.{name}", lin.weight,
-                                      bf16) if q4_kernels else None
-                if groups is not None:
+                groups = self._exact_groups(f"layers.{i}.{'self_attn' if owner is attn else 'mlp'}.{name}",
+                                            lin.weight, bf16, q4_groups) if q4_kernels else None
+                if groups is not None and len(groups) == 3:
                     packed, served_q4 = Q4Linear(packed, groups, packed.bias, max_rows, vector_rows), served_q4 + 1
                 setattr(owner, name, packed)
         head_name = "embed_tokens.weight" if self.lm_head is None else "lm_head"
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         self._packed_head = dense_linear(head, None)
-        head_groups = None
-        if q4_kernels:
-            head_groups = self.quant_groups.get(head_name) if bf16 else q8_groups(head)
+        head_groups = self._exact_groups(head_name, head, bf16, q8_groups) if q4_kernels else None
         if head_groups is not None and len(head_groups) == 2:
             head_vector, head_max = row_limits(bf16, head=True)
             self._packed_head = Q8Linear(self._packed_head, head_groups, None, head_max, head_vector)
         self.quant_groups = {}
         self.q4_rows = max_rows if served_q4 else 0
+        self._loop = self._decode_loop()
         if q4_kernels:
             logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups%s",
                         served_q4, 4 * len(self.layers), max_rows,
                         f"; the LM head <= {self._packed_head.max_rows} rows from 8-bit groups"
                         if isinstance(self._packed_head, Q8Linear) else "")
 
-    def _groups(self, name: str, weight: Tensor, bf16: bool) -> tuple[Tensor, ...] | None:
-        """A projection's 4-bit groups: from its float32 weight, or under bf16 as the loader
-        recovered them before the cast (none if it did not)."""
-        if bf16:
-            groups = self.quant_groups.get(name)
-            return groups if groups is not None and len(groups) == 3 else None
-        return q4_groups(weight)
+    def _decode_loop(self) -> fused.DecodeLoop | None:
+        """The native decode loop, where every layer can take it: Llama-style norms and SiLU,
+        no q/k norms, full rotary, all four projections on 4-bit groups without bias, one set
+        of row limits and one norm epsilon."""
+        if not (self._fusable and self.layers and decode_loop_available()):
+            return None
+        config = self.config
+        if (config.rotary_dim or config.head_dim) != config.head_dim:
+            return None
+        weights: list[Tensor] = []
+        limits, eps = set(), {self.norm.eps}
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.qk_norm or not all(type(p) is Q4Linear and p.bias is None for p in projs):
+                return None
+            limits |= {(p.max_rows, p.vector_rows) for p in projs}
+            eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+            weights += [layer.input_layernorm.weight, *attn.qkv_proj.groups, *attn.o_proj.groups,
+                        layer.post_attention_layernorm.weight, *mlp.gate_up_proj.groups, *mlp.down_proj.groups]
+        if len(limits) != 1 or len(eps) != 1:
+            return None
+        attn = self.layers[0].self_attn
+        return fused.DecodeLoop(
+            [w.detach() for w in weights], [int(layer.local_rope) for layer in self.layers],
+            [layer.self_attn.window or 0 for layer in self.layers], self.norm.weight.detach(),
+            attn.num_heads, attn.num_kv_heads, attn.scale, attn.softcap or 0.0, eps.pop(), attn.qkv_proj,
+        )
+
+    def _exact_groups(
+        self, name: str, weight: Tensor, bf16: bool, recover: Callable[[Tensor], tuple[Tensor, ...] | None]
+    ) -> tuple[Tensor, ...] | None:
+        """A weight's exact groups: those the loader found (it looks at every weight, or none),
+        else recovered from the float32 weight now; a bf16 model has no float32 weights left."""
+        if self.quant_groups or bf16:
+            return self.quant_groups.get(name)
+        return recover(weight)
 
     def warm_up_packed(self, max_tokens: int, max_logit_rows: int) -> None:
-        """Pre-build oneDNN kernels for every padded size a step can produce (one layer's
-        projections suffice: kernels are shared by shape)."""
+        """Pre-build oneDNN kernels for the padded sizes a step can produce up to WARM_UP_ROWS
+        (one layer's projections suffice: kernels are shared by shape)."""
+        # the LM head is ~16x a projection: its build is a tenth of its matmul by ~32 rows
+        max_tokens, max_logit_rows = min(max_tokens, WARM_UP_ROWS), min(max_logit_rows, WARM_UP_ROWS // 4)
         layer = self.layers[0]
         lins = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         for lin in tqdm(lins, desc="building CPU kernels", unit="shape", leave=False, disable=None):
