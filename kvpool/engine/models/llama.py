@@ -355,7 +355,8 @@ class LlamaForCausal(nn.Module):
         self._packed_head: PackedLinear | Q8Linear | None = None
         self.q4_rows = 0  # batches up to this many rows run on 4-bit weights
         self.before_layer: Callable[[int], None] | None = None  # layer-wise KV load: wait for layer i's KV
-        # Quantized groups recovered by the loader before a cast to bf16 (module name -> groups)
+        # Exact quantized groups the loader found (module name -> groups): before a bf16 cast
+        # rounds the weights, and a GGUF file's from its cache
         self.quant_groups: dict[str, tuple[Tensor, ...]] = {}
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
@@ -457,6 +458,7 @@ class LlamaForCausal(nn.Module):
                         served_q4, 4 * len(self.layers), max_rows,
                         f"; the LM head <= {self._packed_head.max_rows} rows from 8-bit groups"
                         if isinstance(self._packed_head, Q8Linear) else "")
+            logger.info("decode-sized steps run %s", "the native layer loop" if self._loop else "the Python layer loop")
 
     def _decode_loop(self) -> fused.DecodeLoop | None:
         """The native decode loop, where every layer can take it: Llama-style norms and SiLU,
