@@ -262,7 +262,7 @@ class KVCacheManager:
             settled = True
             for g, w in enumerate(self.group_windows):
                 if w is not None:
-                    fit = self._window_fit(hashes, g, self._window_blocks(w), k)
+                    fit = self._window_fit(hashes, g, self._window_blocks(w), 0, k, self._pool_run)
                     settled, k = settled and fit == k, fit
         lookup = self.pool.lookup
         tables = []
@@ -278,18 +278,21 @@ class KVCacheManager:
         """Cached blocks a window group needs before a hit point: the W-1 keys a query reads."""
         return -(-(window - 1) // self.block_size)
 
-    def _window_fit(self, hashes: Sequence[BlockHash], group: int, need: int, k: int) -> int:
-        """The largest k' <= k whose blocks k'-need..k'-1 (from 0 if k' < need) `group` holds."""
-        lookup, tag = self.pool.lookup, self._tags[group]
-        end, run = k, 0
-        for j in range(k - 1, -1, -1):
-            if run >= need:
-                break
-            if lookup(hashes[j] + tag) is None:
-                end, run = j, 0
-            else:
-                run += 1
-        return end
+    def _window_fit(self, hashes: Sequence[BlockHash], group: int, need: int, floor: int, k: int,
+                    held: Callable[[Sequence[BlockHash]], int]) -> int:
+        """The largest k' in floor..k whose window, blocks max(floor, k' - need)..k'-1 of `group`,
+        a holder has whole (`held(keys)`: how many of `keys`, from the first, it holds): the
+        device pool for a prefix hit (floor 0), a store for the blocks past one."""
+        while k > floor:
+            start = max(floor, k - need)
+            run = held(self._tagged(hashes[start:k], group))
+            if run >= k - start:
+                return k
+            k = start + run  # every window over the missing block start + run fails: stop before it
+        return k
+
+    def _pool_run(self, keys: Sequence[BlockHash]) -> int:
+        return len(self.pool.lookup_run(keys, len(keys)))
 
     def _tagged(self, hashes: Sequence[BlockHash], group: int) -> Sequence[BlockHash]:
         tag = self._tags[group]
@@ -318,7 +321,7 @@ class KVCacheManager:
             settled = True
             for g, w in enumerate(self.group_windows):
                 if w is not None:
-                    fit = self._store_window_fit(hashes, g, self._window_blocks(w), hit_blocks, k, lookup)
+                    fit = self._window_fit(hashes, g, self._window_blocks(w), hit_blocks, k, lookup)
                     settled, k = settled and fit == k, fit
         if k <= hit_blocks:
             return []
@@ -328,17 +331,6 @@ class KVCacheManager:
             if start < k:
                 ranges.append(StoreRange(g, start, k))
         return ranges
-
-    def _store_window_fit(self, hashes: Sequence[BlockHash], group: int, need: int, hit_blocks: int, k: int,
-                          lookup: Callable[[Sequence[BlockHash]], int]) -> int:
-        """The largest k' <= k whose window blocks past the device hit the store holds."""
-        while k > hit_blocks:
-            start = max(hit_blocks, k - need)
-            run = lookup(self._tagged(hashes[start:k], group))
-            if run >= k - start:
-                return k
-            k = start + run  # every window over the missing block start+run fails: stop before it
-        return k
 
     def store_hit_blocks(self, hit_blocks: int, landed: Sequence[tuple[StoreRange, int]]) -> int:
         """What a store hit is worth once its loads landed (`landed`: each range and how many of

@@ -432,11 +432,12 @@ class Engine:
                 params.append(controls.row_params(g, s.seq, gen))
         if not take:
             return
-        row_logits = logits[torch.tensor(take, dtype=torch.long)]
-        for i, at, n in spans:
-            banned = sched.early_stop_tokens(rows[i].group, rows[i].seq)
-            if banned:
-                row_logits[at : at + n, banned] = float("-inf")
+        bans = [(at, n, banned) for i, at, n in spans if (banned := sched.early_stop_tokens(rows[i].group, rows[i].seq))]
+        # a decode step's rows in order, nothing banned, need no gathered copy (1.5 MB at batch 8)
+        in_order = not bans and len(take) == logits.shape[0] and take == list(range(len(take)))
+        row_logits = logits if in_order else logits[torch.tensor(take, dtype=torch.long)]
+        for at, n, banned in bans:
+            row_logits[at : at + n, banned] = float("-inf")
         allowed = controls.allowed(targets, row_logits.device)  # grammar mask, None when unconstrained
         result = sample(row_logits, params) if allowed is None else sample(row_logits, params, allowed)
         for i, at, n in spans:

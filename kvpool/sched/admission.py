@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_manager import KVCacheManager, PrefixHit, StoreRange
+from kvpool.sched.fit import largest_fitting
 from kvpool.sched.output import ExternalLookup, KVLoad, SchedulerOutput, StoreHit
 from kvpool.sched.request import SeqStatus, Sequence, SequenceGroup
 
@@ -74,15 +75,9 @@ class Admission:
             return sum(kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges, c))
                        for seq, _, hit, ranges in plans) <= free
 
-        if fits(chunk):
-            return chunk
-        if not kv.windowed or not self.config.enable_chunked_prefill or not fits(1):
-            return 0
-        lo, hi = 1, chunk  # fits(lo), not fits(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        if not kv.windowed or not self.config.enable_chunked_prefill:
+            return chunk if fits(chunk) else 0
+        return largest_fitting(fits, chunk)
 
     def _match(self, group: SequenceGroup, seq: Sequence, hashes: list[BlockHash]) -> PrefixHit:
         # prompt logprobs need every prompt position computed: no prefix hit (recompute)

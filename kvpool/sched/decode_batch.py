@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpool.sched.fit import largest_fitting
 from kvpool.sched.request import Sequence, SequenceGroup
 
 if TYPE_CHECKING:
@@ -96,17 +97,4 @@ def plain_decode(sched: Scheduler) -> DecodeBatch | None:
 
 def _steps_within(slots: list[int], held: int, block_size: int, steps: int, free: int) -> int:
     """The most steps, at most `steps`, whose new blocks fit in `free` (0 when not one)."""
-
-    def need(m: int) -> int:
-        return sum([-(-(n + m) // block_size) for n in slots]) - held
-
-    if need(steps) <= free:
-        return steps
-    lo, hi = 0, steps  # need(lo) <= free < need(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if need(mid) <= free:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return largest_fitting(lambda m: sum([-(-(n + m) // block_size) for n in slots]) - held <= free, steps)

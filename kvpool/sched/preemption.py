@@ -8,6 +8,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from kvpool.core.kv_manager import KVCacheManager
+from kvpool.sched.fit import largest_fitting
 from kvpool.sched.output import SchedulerOutput
 from kvpool.sched.request import SeqStatus, Sequence, SequenceGroup
 
@@ -45,7 +46,10 @@ class Preemption:
             elif (kv.windowed and wanted is not None and wanted[i]  # a prefill chunk
                   and kv.window_blocks_needed(s.seq_id, s.num_computed_tokens + wanted[i])):
                 chunks.append((i, s))
+        asked = [(i, wanted[i]) for i, _ in chunks]
         while extras or chunks:
+            for i, tokens in asked:  # each try starts from the chunks asked for: a preemption frees blocks
+                wanted[i] = tokens
             need = sum(kv.append_blocks_needed(sid, n) for sid, n in extras)
             free = kv.num_free_blocks - need
             if self._fit_chunks(chunks, wanted, free):
@@ -74,15 +78,15 @@ class Preemption:
             return True
         assert wanted is not None
         for i, _ in reversed(chunks):
-            lo, hi = 1, wanted[i]
-            wanted[i] = lo
-            if need() > free:
-                continue  # even one token of this chunk is too many: shrink the next one too
-            while hi - lo > 1:  # the largest chunk that fits, by bisection
-                wanted[i] = mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if need() <= free else (lo, mid)
-            wanted[i] = lo
-            return True
+
+            def fits(tokens: int, i: int = i) -> bool:
+                wanted[i] = tokens
+                return need() <= free
+
+            best = largest_fitting(fits, wanted[i])
+            wanted[i] = max(best, 1)
+            if best:
+                return True  # else even one token of this chunk is too many: shrink the next one too
         return False
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:

@@ -18,6 +18,7 @@
 #include <array>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 #include <utility>
 
@@ -165,36 +166,6 @@ void rows_bf16(const Fmt& f, const bf16* x, int64_t k, bf16* y, int64_t n_out, i
 }
 #endif
 
-template <class Fmt>
-using RowsBf16Fn = void (*)(const Fmt&, const bf16*, int64_t, bf16*, int64_t, int64_t, int64_t);
-
-template <class Fmt, int... R>
-constexpr auto rows_table(std::integer_sequence<int, R...>) {
-  return std::array<RowsBf16Fn<Fmt>, sizeof...(R)>{rows_bf16<Fmt, R + 1>...};
-}
-
-// Output blocks of 16 rows of W: a block's weights are read from memory once and stay in cache
-// while every chunk of kMaxRowsBf16 activation rows passes over them.
-template <class Fmt>
-at::Tensor linear_bf16(const Fmt& f, const at::Tensor& x, int64_t n_out) {
-  static constexpr auto fns = rows_table<Fmt>(std::make_integer_sequence<int, kMaxRowsBf16>{});
-  const at::Tensor xc = x.contiguous();
-  const int64_t rows = xc.size(0), k = xc.size(1);
-  at::Tensor y = at::empty({rows, n_out}, xc.options());
-  const bf16* xp = xc.data_ptr<bf16>();
-  bf16* yp = y.data_ptr<bf16>();
-  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n0 = begin; n0 < end; n0 += 16) {
-      const int64_t n1 = std::min(end, n0 + 16);
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRowsBf16) {
-        const int64_t r = std::min(kMaxRowsBf16, rows - r0);
-        fns[r - 1](f, xp + r0 * k, k, yp + r0 * n_out, n_out, n0, n1);
-      }
-    }
-  });
-  return y;
-}
-
 void check_groups(const at::Tensor& x, const at::Tensor& scale, int64_t n_out) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x: 2-D CPU tensor");
   const int64_t k = x.size(1);
@@ -276,16 +247,49 @@ void rows_f32(const Fmt& f, const float* x, int64_t k, float* y, int64_t n_out, 
 }
 #endif
 
-template <class Fmt, int... R>
-constexpr auto rows_f32_table(std::integer_sequence<int, R...>) {
-  return std::array<void (*)(const Fmt&, const float*, int64_t, float*, int64_t, int64_t, int64_t), sizeof...(R)>{
-      rows_f32<Fmt, R + 1>...};
+// The row loops by row count, for the activations' type T: rows_table<Fmt, T>(...)[r - 1] takes r rows.
+template <class Fmt, class T>
+using RowsFn = void (*)(const Fmt&, const T*, int64_t, T*, int64_t, int64_t, int64_t);
+
+template <class Fmt, class T, int R>
+constexpr RowsFn<Fmt, T> rows_fn() {
+  if constexpr (std::is_same_v<T, float>)
+    return rows_f32<Fmt, R>;
+  else
+    return rows_bf16<Fmt, R>;
+}
+
+template <class Fmt, class T, int... R>
+constexpr auto rows_table(std::integer_sequence<int, R...>) {
+  return std::array<RowsFn<Fmt, T>, sizeof...(R)>{rows_fn<Fmt, T, R + 1>()...};
+}
+
+// Output blocks of 16 rows of W: a block's weights are read from memory once and stay in cache
+// while every chunk of kMaxRowsBf16 activation rows passes over them.
+template <class Fmt>
+at::Tensor linear_bf16(const Fmt& f, const at::Tensor& x, int64_t n_out) {
+  static constexpr auto fns = rows_table<Fmt, bf16>(std::make_integer_sequence<int, kMaxRowsBf16>{});
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1);
+  at::Tensor y = at::empty({rows, n_out}, xc.options());
+  const bf16* xp = xc.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += 16) {
+      const int64_t n1 = std::min(end, n0 + 16);
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRowsBf16) {
+        const int64_t r = std::min(kMaxRowsBf16, rows - r0);
+        fns[r - 1](f, xp + r0 * k, k, yp + r0 * n_out, n_out, n0, n1);
+      }
+    }
+  });
+  return y;
 }
 
 // Chunks of kMaxRows activation rows, each one pass over the weights split across threads.
 template <class Fmt>
 at::Tensor linear_f32(const Fmt& f, const at::Tensor& x, int64_t n_out) {
-  static constexpr auto fns = rows_f32_table<Fmt>(std::make_integer_sequence<int, kMaxRows>{});
+  static constexpr auto fns = rows_table<Fmt, float>(std::make_integer_sequence<int, kMaxRows>{});
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), k = xc.size(1);
   at::Tensor y = at::empty({rows, n_out}, xc.options());
