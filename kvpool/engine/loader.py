@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -159,10 +160,22 @@ def gguf_fields(reader: Any) -> dict[str, Any]:
 
 def gguf_cache_dir(path: Path) -> Path:
     """Where the dequantized copy of a GGUF file lives (KVPOOL_CACHE_DIR, else ~/.cache/kvpool);
-    keyed by the file's name, size and mtime so a replaced file is read again."""
+    keyed by the file's directory, name, size and mtime so a replaced file is read again."""
     root = Path(os.environ.get("KVPOOL_CACHE_DIR", Path.home() / ".cache" / "kvpool"))
     st = path.stat()
-    return root / "gguf" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    place = hashlib.sha256(str(path.resolve().parent).encode()).hexdigest()[:8]
+    return root / "gguf" / f"{path.stem}-{place}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def drop_stale_copies(cache: Path) -> None:
+    """Remove the copies of earlier versions of the file `cache` holds (a replaced or reinstalled
+    file: ~4x its size each, never read again), and those of the older key without a place."""
+    stem, place = cache.name.rsplit("-", 2)[0].rsplit("-", 1)
+    same_place = re.compile(rf"{re.escape(stem)}-{place}-\d+-\d+")
+    legacy = re.compile(rf"{re.escape(stem)}-\d+-\d+")
+    for old in cache.parent.iterdir():
+        if old != cache and old.is_dir() and (same_place.fullmatch(old.name) or legacy.fullmatch(old.name)):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _read_gguf_cached(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
@@ -196,6 +209,7 @@ def _read_gguf_cached(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tens
         (tmp / "model.json").write_text(json.dumps(meta))
         (tmp / "done").touch()
         tmp.rename(cache)
+        drop_stale_copies(cache)
     except OSError as e:  # read-only home, a concurrent writer won the rename, ...
         logger.warning("could not cache dequantized weights at %s: %s", cache, e)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -281,3 +281,26 @@ def test_tiny_sentencepiece_gguf_matches_transformers_on_the_same_file(tiny_spm_
         with torch.no_grad():
             ref = hf.eval()(torch.tensor([ids])).logits[0]
         assert (PagedSequence(ours).step(ids) - ref).abs().max().item() <= 1e-4, text
+
+
+def test_a_new_copy_of_a_gguf_file_drops_its_stale_copies_only(tmp_path, monkeypatch):
+    """Each reinstall of a GGUF file (new mtime) leaves a ~4x-its-size cache; the newest copy
+    removes the older ones of the same file, and of the key without a directory, not others'."""
+    from kvpool.engine.loader import drop_stale_copies, gguf_cache_dir
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    mine, theirs = tmp_path / "a" / "m-1.gguf", tmp_path / "b" / "m-1.gguf"
+    mine.write_bytes(b"old")
+    theirs.write_bytes(b"other")
+    old, other = gguf_cache_dir(mine), gguf_cache_dir(theirs)
+    mine.write_bytes(b"newer")
+    new = gguf_cache_dir(mine)
+    legacy = new.parent / "m-1-3-1700000000000000000"
+    unrelated = new.parent / "m-10-3-1700000000000000000"
+    for d in (old, other, new, legacy, unrelated):
+        d.mkdir(parents=True)
+    assert len({old, other, new}) == 3
+    drop_stale_copies(new)
+    assert sorted(p.name for p in new.parent.iterdir()) == sorted([other.name, new.name, unrelated.name])
