@@ -331,3 +331,29 @@ def test_a_gguf_models_groups_are_recovered_once_then_read_from_its_cache(tmp_pa
     second = loader._quant_groups(model, path)
     assert first.keys() == second.keys()
     assert all(torch.equal(a, b) for name in first for a, b in zip(first[name], second[name], strict=True))
+
+
+def test_cached_groups_that_do_not_give_the_weights_are_recovered_again(tmp_path, monkeypatch):
+    """A cache written for other weights (a loader change that reorders rows, say) is never
+    served: the groups are checked against the loaded weights and recovered afresh."""
+    from kvpool.engine import loader
+    from kvpool.engine.models.config import ModelConfig
+    from kvpool.engine.models.llama import LlamaForCausal
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    model = LlamaForCausal(ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
+                                       num_heads=2, num_kv_heads=1, head_dim=32, tie_word_embeddings=True))
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            p.copy_(q8_0_weight(*p.shape, seed=i) if "embed" in name else
+                    q4_1_weight(*p.shape, seed=i) if p.dim() == 2 else torch.ones_like(p))
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(b"GGUF")
+    loader.gguf_cache_dir(path).mkdir(parents=True)
+    loader._quant_groups(model, path)
+    proj = model.layers[0].self_attn.o_proj
+    with torch.no_grad():
+        proj.weight.copy_(proj.weight.flip(0))  # the rows reordered
+    groups = loader._quant_groups(model, path)["layers.0.self_attn.o_proj"]
+    assert quantized.reproduces(proj.weight, groups)
+    assert torch.equal(groups[0], q4_groups(proj.weight)[0])

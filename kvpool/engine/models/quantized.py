@@ -98,6 +98,26 @@ def q8_groups(weight: Tensor) -> tuple[Tensor, Tensor] | None:
     return q.to(torch.int8).reshape(n, k).contiguous(), scale.reshape(n, k // GROUP).contiguous()
 
 
+def reproduces(weight: Tensor, groups: tuple[Tensor, ...]) -> bool:
+    """Whether Q4_1 (nibbles, scale, mins) or Q8_0 (levels, scale) groups give `weight` bit for
+    bit, d * q (+ m) in float32 as the kernels compute it: what a cached copy must pass."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % GROUP or groups[1].shape != (n, k // GROUP):
+        return False
+    if len(groups) == 3:
+        nibbles, scale, mins = groups
+        if nibbles.shape != (n, k // 2) or mins.shape != scale.shape:
+            return False
+        packed = nibbles.view(n, k // GROUP, GROUP // 2)
+        values = torch.cat((packed & 15, packed >> 4), dim=-1).float() * scale.unsqueeze(-1) + mins.unsqueeze(-1)
+    else:
+        levels, scale = groups
+        if levels.shape != (n, k):
+            return False
+        values = levels.view(n, k // GROUP, GROUP).float() * scale.unsqueeze(-1)
+    return torch.equal(values.view(n, k), weight)
+
+
 def model_groups(model: nn.Module, head: str) -> dict[str, tuple[Tensor, ...]]:
     """Q4_1 groups of every exactly-4-bit Linear (by module name) and Q8_0 groups of the LM
     head's weight (parameter `head`), from float32 weights, before a cast rounds them."""
