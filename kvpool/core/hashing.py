@@ -54,11 +54,6 @@ def chain_hashes(parent: BlockHash, data: bytes, block_size: int, extra: bytes =
     return out
 
 
-def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
-    """Hash of one full block given its parent's hash and optional extra key bytes."""
-    return chain_hashes(parent, _token_bytes(tokens), len(tokens), extra)[0]
-
-
 def hash_blocks(
     tokens: Sequence[int],
     block_size: int,

@@ -182,8 +182,3 @@ class TensorParallel:
             raise ConfigError(f"{self.hardware.name} has no nvlink_bandwidth for tp={self.tp}")
         per = num_tokens * self.model.hidden_size * self.model.dtype_bytes * 2 * (self.tp - 1) / self.tp
         return 2 * self.model.num_layers * (per / self.hardware.nvlink_bandwidth + latency_s)
-
-
-def with_dtype(model: ModelSpec, dtype_bytes: int) -> ModelSpec:
-    """The same model stored at another precision (e.g. fp32 on CPU)."""
-    return replace(model, dtype_bytes=dtype_bytes)

@@ -367,11 +367,3 @@ def gc_paused() -> Iterator[None]:
         if was_enabled:
             gc.enable()
 
-
-def simulate_cluster(
-    requests: Sequence[SimRequest],
-    config: ClusterConfig,
-    cost_model: CostModel,
-    predictor: StepTimePredictor | None = None,
-) -> ClusterResult:
-    return SimCluster(config, cost_model, predictor).run(requests)
