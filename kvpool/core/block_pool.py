@@ -16,7 +16,7 @@ read-only `Block` snapshots for inspection.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice, takewhile
@@ -94,6 +94,7 @@ class BlockPool:
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_tokens: list[int] = [0] * num_blocks  # slots holding (or reserved for) a token
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.block_salts: list[str | None] = [None] * num_blocks  # the cache_salt a hashed block was registered under
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields block 0 first
         self._evictable: EvictionPolicy = make_policy(eviction_policy, num_blocks)
         self._cached: dict[BlockHash, int] = {}
@@ -217,7 +218,7 @@ class BlockPool:
         self.block_tokens[block_id] += n
         self._tokens_in_use += n
 
-    def register(self, block_id: int, block_hash: BlockHash) -> bool:
+    def register(self, block_id: int, block_hash: BlockHash, salt: str | None = None) -> bool:
         """Make a full in-use block findable by its hash; False when another block already
         holds that content (the duplicate then stays private and is freed normally)."""
         if not self.enable_caching:
@@ -226,22 +227,24 @@ class BlockPool:
         if current is not None or block_hash in self._cached:
             return current == block_hash
         self.block_hashes[block_id] = block_hash
+        self.block_salts[block_id] = salt
         self._cached[block_hash] = block_id
         if self.events is not None:
             self.events.stored.append(block_hash)
         return True
 
-    def register_many(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+    def register_many(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], salt: str | None = None) -> None:
         """`register` each block under the hash at the same position."""
         if not self.enable_caching:
             return
-        current = self.block_hashes
+        current, salts = self.block_hashes, self.block_salts
         stored = self.events.stored if self.events is not None else None
         setdefault = self._cached.setdefault
         for b, h in zip(block_ids, hashes, strict=True):
             # an unregistered block is in no entry, so setdefault returns b only if h was new
             if current[b] is None and setdefault(h, b) is b:
                 current[b] = h
+                salts[b] = salt
                 if stored is not None:
                     stored.append(h)
 
@@ -256,6 +259,23 @@ class BlockPool:
         for b in victims:
             self.block_tokens[b] = 0
         self._free.extend(victims)
+        return len(victims)
+
+    def evict_cached_where(self, owned: Callable[[str | None], bool]) -> int:
+        """Drop the cached blocks not in use whose salt `owned` accepts (one tenant's prefix-cache
+        reset: it must not touch, or count, any other tenant's blocks); return how many."""
+        ref, hashes, salts = self.ref_counts, self.block_hashes, self.block_salts
+        victims = [b for b in range(self.num_blocks) if ref[b] == 0 and hashes[b] is not None and owned(salts[b])]
+        self._evictable.remove_many(victims)
+        evicted = [hashes[b] for b in victims]
+        for b, h in zip(victims, evicted, strict=True):
+            del self._cached[h]
+            hashes[b] = None
+            self.block_tokens[b] = 0
+        self._free.extend(victims)
+        if self.events is not None:
+            self.events.evicted.extend(evicted)
+            self.events.evicted_block_ids.extend(victims)
         return len(victims)
 
     @property

@@ -554,7 +554,7 @@ class KVCacheManager:
             if seq.dead[g] > start:  # freed window blocks have nothing to register
                 skip = seq.dead[g] - start
                 ids, hs = ids[skip:], hs[skip:]
-            self.pool.register_many(ids, hs)
+            self.pool.register_many(ids, hs, seq.cache_salt)
         seq.num_registered = full
 
     def _free_behind(self, seq: SeqBlocks, num_computed_tokens: int) -> None:
@@ -599,8 +599,9 @@ class KVCacheManager:
             else:
                 self.pool.release(reversed(live))
 
-    def reset_prefix_cache(self) -> int:
-        return self.pool.evict_all_cached()
+    def reset_prefix_cache(self, owned: Callable[[str | None], bool] | None = None) -> int:
+        """Evict every cached block not in use, or only those whose cache_salt `owned` accepts."""
+        return self.pool.evict_all_cached() if owned is None else self.pool.evict_cached_where(owned)
 
     def drain_events(self) -> KVEvents:
         return self.pool.drain_events()
@@ -669,6 +670,6 @@ class KVCacheManager:
                 t[d:] = [mapping[hb] for hb in t[d:]]
                 tag = self._tags[g]
                 for i in range(d, seq.num_registered):
-                    self.pool.register(t[i], seq.hashes[i] + tag)
+                    self.pool.register(t[i], seq.hashes[i] + tag, seq.cache_salt)
             seq.on_host = False
         return list(mapping.items())

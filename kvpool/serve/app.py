@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvpool.serve.auth import Tenant
 from kvpool.serve.chat import create_chat_completion, render
 from kvpool.serve.completions import create_completion
 from kvpool.serve.errors import install_handlers
@@ -101,10 +103,13 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
         state.check_model(req.model)
         return {"prompt": await state.off_loop(state.tokenizer.decode, req.tokens)}
 
-    @tools.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
-        evicted = await state.engine.call(lambda engine: engine.scheduler.kv.reset_prefix_cache())
-        return JSONResponse({"evicted_blocks": evicted})
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(tenant: Annotated[Tenant | None, Depends(keys.admin_scope)]) -> JSONResponse:
+        """A tenant's key evicts its own namespace's idle blocks (and counts only those); the admin
+        key, or a server without keys, evicts every idle block."""
+        owned = None if tenant is None else tenant.owns
+        evicted = await state.engine.call(lambda engine: engine.scheduler.kv.reset_prefix_cache(owned))
+        return JSONResponse({"evicted_blocks": evicted, "scope": "server" if tenant is None else "tenant"})
 
     app.include_router(v1, dependencies=[Depends(keys.api_key)])
     app.include_router(tools, dependencies=[Depends(keys.api_key)])

@@ -3,6 +3,8 @@
 Every route except the open ones (`/health` and its alias `/ping`, which probes call without a
 key and which say only "up or not", and `/metrics` with `--metrics-open`) depends on
 `KeyRing.api_key` (`/version` too: vLLM leaves it open, but a version names the bugs to try); a cluster member's `/internal/*` routes depend on `KeyRing.cluster_key`.
+Cache-control routes depend on `KeyRing.admin_scope`: a tenant's key acts on its own namespace
+only, the admin key (`--admin-api-key`) on the whole server.
 Keys are compared as SHA-256 digests with `hmac.compare_digest`, against every key (no early
 exit), so neither the key's bytes nor its length nor which key matched shows in the timing.
 
@@ -27,6 +29,7 @@ from kvpool.errors import ConfigError
 from kvpool.serve.errors import Unauthenticated
 
 CLUSTER_KEY_ENV = "KVPOOL_CLUSTER_KEY"
+ADMIN_KEY_ENV = "KVPOOL_ADMIN_API_KEY"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,11 @@ class Tenant:
     """Who sent a request: `salt` is derived from the key (never the key itself)."""
 
     salt: str
+
+    def owns(self, salt: str | None) -> bool:
+        """Whether a block hashed under `salt` is in this tenant's namespace (its own salt, alone
+        or combined with a request's cache_salt; never the shared scope's)."""
+        return salt is not None and (salt == self.salt or salt.startswith(self.salt + "/"))
 
 
 def _digest(secret: bytes) -> bytes:
@@ -54,15 +62,16 @@ def _bearer(request: Request) -> bytes | None:
 
 @dataclass(frozen=True, slots=True)
 class KeyRing:
-    """The API keys (as digests, each with its tenant) and the cluster key (as a digest)."""
+    """The API keys (as digests, each with its tenant), the cluster key and the admin key (digests)."""
 
     api_keys: tuple[tuple[bytes, Tenant], ...] = ()
     cluster: bytes | None = None
     metrics_open: bool = False
+    admin: bytes | None = None
 
     @classmethod
     def build(cls, api_keys: Sequence[str] = (), cluster_key: str | None = None,
-              metrics_open: bool = False) -> KeyRing:
+              metrics_open: bool = False, admin_key: str | None = None) -> KeyRing:
         keys = []
         for key in api_keys:
             if not key:
@@ -72,7 +81,13 @@ class KeyRing:
             keys.append((_digest(raw), Tenant(salt)))
         if cluster_key == "":
             raise ConfigError("the cluster key may not be empty")
-        return cls(tuple(keys), _digest(cluster_key.encode()) if cluster_key else None, metrics_open)
+        if admin_key == "":
+            raise ConfigError("the admin API key may not be empty")
+        if admin_key is not None and admin_key in api_keys:
+            raise ConfigError("the admin API key must differ from every --api-key (a tenant's key acts on "
+                              "its own namespace only)")
+        return cls(tuple(keys), _digest(cluster_key.encode()) if cluster_key else None, metrics_open,
+                   _digest(admin_key.encode()) if admin_key else None)
 
     @property
     def open(self) -> bool:
@@ -109,8 +124,26 @@ class KeyRing:
         if token is None or not hmac.compare_digest(_digest(token), self.cluster):
             raise Unauthenticated("missing or invalid cluster key (the conductor's --cluster-key)")
 
+    def is_admin(self, token: bytes | None) -> bool:
+        return self.admin is not None and token is not None and hmac.compare_digest(_digest(token), self.admin)
+
+    def admin_scope(self, request: Request) -> Tenant | None:
+        """Who a whole-server operation acts for: None for the whole server (the admin key, or a
+        server with no key at all), else the calling tenant, whose namespace alone it may touch."""
+        token = _bearer(request)
+        if self.is_admin(token):
+            return None
+        if self.open and self.admin is None:
+            return None
+        tenant = self.tenant(token)
+        if tenant is None:
+            raise Unauthenticated("missing or invalid API key (send Authorization: Bearer <key>; "
+                                  "whole-server operations need the --admin-api-key)")
+        return tenant
+
     def metrics(self, request: Request) -> None:
-        if not self.metrics_open:
+        """Whole-server counters: open with --metrics-open, else any API key or the admin key."""
+        if not self.metrics_open and not self.is_admin(_bearer(request)):
             self.api_key(request)
 
 
@@ -155,4 +188,6 @@ def api_keys_from_args(args: argparse.Namespace) -> list[str]:
 
 
 def keyring_from_args(args: argparse.Namespace) -> KeyRing:
-    return KeyRing.build(api_keys_from_args(args), args.cluster_key, args.metrics_open)
+    """`--admin-api-key` exists on `kvpool serve` only (the conductor has no whole-server operations)."""
+    return KeyRing.build(api_keys_from_args(args), args.cluster_key, args.metrics_open,
+                         getattr(args, "admin_api_key", None))

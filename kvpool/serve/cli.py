@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import time
@@ -16,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvpool.engine.config import add_engine_args, engine_config_from_args
 from kvpool.errors import ConfigError
-from kvpool.serve.auth import add_auth_arguments, keyring_from_args
+from kvpool.serve.auth import ADMIN_KEY_ENV, add_auth_arguments, keyring_from_args
 from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES
 from kvpool.serve.tools import TOOL_CALL_PARSERS
 from kvpool.sizes import parse_bytes
@@ -30,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     group.add_argument("--port", type=int, default=8000)
     add_auth_arguments(group)
+    group.add_argument("--admin-api-key", default=os.environ.get(ADMIN_KEY_ENV), metavar="KEY",
+                       help=f"the key for whole-server operations (POST /reset_prefix_cache of every "
+                            f"tenant's blocks); a tenant's --api-key acts on its own namespace only "
+                            f"(default: ${ADMIN_KEY_ENV})")
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the model ids clients may use; the first is the one /v1/models and responses "
                             "report (default: the model file's or directory's name; the --model path is "
