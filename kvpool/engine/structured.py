@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import unquote
 
 import torch
 from torch import Tensor
@@ -27,6 +29,7 @@ from kvpool.sched.sampling_params import StructuredOutputs
 logger = logging.getLogger(__name__)
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+_LOG_PREFIX = re.compile(r"^\[[0-9:. ]+\]\s*\S+:\d+:\s*")
 
 
 def _xgrammar():
@@ -46,6 +49,60 @@ def _vocab_type(tokenizer_json: dict[str, Any], xg) -> tuple[Any, bool]:
     if "ByteFallback" in text:
         return xg.VocabType.BYTE_FALLBACK, True
     return xg.VocabType.RAW, False
+
+
+def library_message(error: Exception) -> str:
+    """xgrammar's message without its C++ log prefix (`[hh:mm:ss] /path/file.cc:123: `) or
+    anything after the first line: a client learns what is wrong, not how the server is built."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return _LOG_PREFIX.sub("", lines[0]).strip()[:300]
+
+
+def schema_text(schema: dict | str) -> str:
+    """The schema as JSON text, once every `$ref` in it is known to resolve inside it: xgrammar
+    fetches nothing and would otherwise leave a remote reference unconstrained."""
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError as e:
+            raise InvalidRequest(f"structured output json does not compile: not valid JSON ({e})",
+                                 param="json") from None
+    else:
+        parsed = schema
+    check_refs(parsed)
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def check_refs(root: Any) -> None:
+    """Every `$ref` must be a JSON pointer (`#` or `#/...`) to a part of the same schema."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if ref is not None:
+            _resolve(root, ref)
+        stack.extend(node.values())
+
+
+def _resolve(root: Any, ref: Any) -> None:
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        raise InvalidRequest(f"json schema $ref {str(ref)[:100]!r} is not a reference inside the schema "
+                             "(kvpool fetches no remote or relative schemas: inline it under $defs and "
+                             "refer to it as #/$defs/NAME)", param="json")
+    node = root
+    for raw in ref[2:].split("/") if ref != "#" else ():
+        key = unquote(raw).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            raise InvalidRequest(f"json schema $ref {ref[:100]!r} points to nothing in the schema", param="json")
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
@@ -76,15 +133,18 @@ class GrammarCompiler:
         self._batch = xg.BatchGrammarMatcher(max_threads=1)
 
     def compile(self, spec: StructuredOutputs):
-        """The compiled grammar; a schema, regex or grammar the library rejects is an InvalidRequest."""
+        """The compiled grammar; a schema, regex or grammar the library rejects is an InvalidRequest.
+        JSON allows any whitespace between tokens (xgrammar's and vLLM's default) unless the spec
+        asks for compact JSON (`disable_any_whitespace`)."""
         c = self._compiler
+        any_ws = not spec.disable_any_whitespace
         try:
             match spec.kind:
                 case "json":
-                    schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                    return c.compile_json_schema(schema, any_whitespace=False)
-                case "json_object":
-                    return c.compile_builtin_json_grammar()
+                    schema = schema_text(spec.json)
+                    return c.compile_json_schema(schema, any_whitespace=any_ws)
+                case "json_object":  # an object, as OpenAI's json_object and vLLM's xgrammar backend
+                    return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
                 case "regex":
                     return c.compile_regex(spec.regex)
                 case "choice":
@@ -92,7 +152,8 @@ class GrammarCompiler:
                 case _:
                     return c.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise InvalidRequest(f"structured output {spec.kind} does not compile: {e}", param=spec.kind) from e
+            raise InvalidRequest(f"structured output {spec.kind} does not compile: {library_message(e)}",
+                                 param=spec.kind) from None
 
     def matcher(self, compiled) -> GrammarMatcher:
         return GrammarMatcher(self._xg.GrammarMatcher(compiled))

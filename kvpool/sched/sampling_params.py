@@ -23,8 +23,12 @@ class StructuredOutputs:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # vLLM's name: compact JSON (no whitespace between tokens) instead of xgrammar's default, any whitespace
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequest("structured disable_any_whitespace must be a boolean", param="disable_any_whitespace")
         set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise InvalidRequest(

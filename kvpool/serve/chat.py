@@ -22,6 +22,7 @@ from kvpool.serve.responses import (
     unless_disconnected,
     usage,
 )
+from kvpool.serve.sampling_map import compact_json
 from kvpool.serve.state import ServerState
 from kvpool.serve.tools import ToolPlan
 
@@ -58,7 +59,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = state.default_max_tokens(len(ids), req.n)
-    params = plan.constrain(req.sampling_params(max_tokens, req.num_logprobs))
+    params = plan.constrain(req.sampling_params(max_tokens, req.num_logprobs), compact_json(req))
     rid = state.engine.new_request_id("chatcmpl")
     salt = request_salt(raw, req.cache_salt, req.cache_scope)
     stream = await state.engine.submit(rid, [ids], params, arrival, salt)

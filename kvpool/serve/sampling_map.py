@@ -58,9 +58,22 @@ def _response_format(rf: dict[str, Any]) -> dict[str, Any] | None:
                          "json_schema)", param="response_format")
 
 
+def compact_json(req: Any) -> bool:
+    """vLLM's `structured_outputs.disable_any_whitespace`: compact JSON for whichever JSON
+    constraint the request has (response_format, guided_json, a forced tool call)."""
+    spec = req.structured_outputs or {}
+    flag = spec.get("disable_any_whitespace", False)
+    if not isinstance(flag, bool):
+        raise InvalidRequest("structured_outputs.disable_any_whitespace must be a boolean",
+                             param="structured_outputs")
+    return flag
+
+
 def _vllm_structured(spec: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in spec.items():
+        if key == "disable_any_whitespace":
+            continue  # a modifier of the constraint, not one (`compact_json`)
         if key in _STRUCTURED_KEYS:
             if value is not None:
                 out[key] = value
@@ -93,7 +106,7 @@ def structured_outputs(req: Any) -> StructuredOutputs | None:
         raise InvalidRequest(f"give one output constraint, got {names}", param=found[-1][0])
     name, spec = found[0]
     try:
-        return StructuredOutputs(**spec)
+        return StructuredOutputs(**spec, disable_any_whitespace=compact_json(req))
     except InvalidRequest as e:
         raise InvalidRequest(f"{name}: {e}", param=name) from None
 

@@ -5,7 +5,8 @@ the model's text becomes `tool_calls`.
 - named: the output is constrained (xgrammar, through `structured_outputs`) to the function's
   arguments schema; the whole text is that call's `arguments`.
 - `required`: the output is constrained to a JSON array of `{"name": ..., "arguments": ...}`,
-  one object per call (`maxItems` 1 when `parallel_tool_calls` is false).
+  one object per call (`maxItems` 1 when `parallel_tool_calls` is false); `call_array` streams
+  each call's name, then its arguments, while they are generated.
 - `auto`: the model writes freely and the server's `--tool-call-parser` finds its calls.
 
 Every mode runs through one `CallStream` per choice, fed the text deltas as they are decoded;
@@ -22,6 +23,7 @@ from typing import Any
 
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams, StructuredOutputs
+from kvpool.serve.call_array import CallArrayScanner, CallEvent
 
 TOOL_CALL_PARSERS = ("hermes",)
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -84,14 +86,15 @@ class ToolPlan:
             array["maxItems"] = 1
         return array
 
-    def constrain(self, params: SamplingParams) -> SamplingParams:
+    def constrain(self, params: SamplingParams, compact: bool = False) -> SamplingParams:
+        """Force the call's JSON; `compact` is vLLM's disable_any_whitespace."""
         schema = self.schema()
         if schema is None:
             return params
         if params.structured_outputs is not None:
             raise InvalidRequest("a forced tool_choice cannot be combined with another output constraint "
                                  "(response_format or guided_*)", param="tool_choice")
-        return replace(params, structured_outputs=StructuredOutputs(json=schema))
+        return replace(params, structured_outputs=StructuredOutputs(json=schema, disable_any_whitespace=compact))
 
     def stream(self) -> CallStream:
         return CallStream(self)
@@ -112,7 +115,8 @@ class CallStream:
         self.calls: list[Call] = []
         self._named_started = False
         self._named_args: list[str] = []
-        self._buf = ""  # required: the array so far; auto: see HermesParser
+        self._text = ""  # required: everything so far (content if no call ever starts)
+        self._array = CallArrayScanner() if plan.mode == "required" else None
         self._hermes = HermesParser(set(plan.functions)) if plan.mode == "auto" else None
 
     @property
@@ -124,8 +128,8 @@ class CallStream:
             case "named":
                 return self._named(text)
             case "required":
-                self._buf += text
-                return self._array_calls()
+                self._text += text
+                return self._array_calls(self._array.feed(text))
             case "auto":
                 return self._events(self._hermes.feed(text))
             case _:
@@ -135,8 +139,8 @@ class CallStream:
         """What is left once the choice has finished."""
         if self.plan.mode == "auto":
             return self._events(self._hermes.finish())
-        if self.plan.mode == "required" and not self.calls and self._buf:
-            return [{"content": self._buf}]  # cut short (length) before one call was complete
+        if self.plan.mode == "required" and not self.calls and self._text:
+            return [{"content": self._text}]  # cut short (length) before one call began
         if self.plan.mode == "named" and not self._named_started:
             return self._named("")
         return []
@@ -160,20 +164,18 @@ class CallStream:
             out.append(_arguments(0, text))
         return out
 
-    def _array_calls(self) -> list[dict[str, Any]]:
-        """Each element of the constrained array once it is complete (the grammar makes it compact JSON)."""
+    def _array_calls(self, events: list[CallEvent]) -> list[dict[str, Any]]:
+        """A call's header as soon as its name is known, then its arguments as they arrive."""
         out: list[dict[str, Any]] = []
-        decoder = json.JSONDecoder()
-        while True:
-            rest = self._buf.lstrip("[,")
-            try:
-                obj, end = decoder.raw_decode(rest)
-            except ValueError:
-                return out
-            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and "arguments" in obj):
-                return out  # cannot happen under the grammar; finish() returns the text as content
-            self._buf = rest[end:]
-            out += self._emit(Call(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
+        for e in events:
+            if e.name is not None:
+                self.calls.append(Call(e.name, ""))
+                out.append(_header(e.index, self.calls[e.index]))
+            else:
+                call = self.calls[e.index]
+                self.calls[e.index] = replace(call, arguments=call.arguments + e.arguments)
+                out.append(_arguments(e.index, e.arguments))
+        return out
 
     def _events(self, events: list[str | Call]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

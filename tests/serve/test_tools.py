@@ -92,11 +92,13 @@ def test_required_output_is_one_array_of_calls_streamed_call_by_call():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Rome"}}], schema)
     assert "maxItems" not in schema and _plan("required", parallel=False).schema()["maxItems"] == 1
-    calls = [("get_weather", '{"city": "Rome", "unit": "celsius"}'), ("get_time", '{"zone": "UTC"}')]
+    calls = [("get_weather", '{"city":"Rome","unit":"celsius"}'), ("get_time", '{"zone":"UTC"}')]  # as written
     for size in (1, 5, len(text)):
         assert _streamed(plan, text, size) == ("", calls)
-    content, got = plan.stream().message('[{"name":"get_time","argu')  # cut by max_tokens
-    assert (content, got) == ('[{"name":"get_time","argu', [])
+    content, got = plan.stream().message('[{"name":"get_time","argu')  # cut by max_tokens: the call began
+    assert (content, [(c.name, c.arguments) for c in got]) == (None, [("get_time", "")])
+    content, got = plan.stream().message('[{"na')  # cut before any call began: the text is the content
+    assert (content, got) == ('[{"na', [])
     assert plan.finish_reason("stop", True) == "tool_calls" and plan.finish_reason("length", False) == "length"
 
 
