@@ -38,7 +38,7 @@ from kvpool.errors import ConfigError, InvalidRequest
 from kvpool.serve.auth import KeyRing, request_salt
 from kvpool.serve.chat import render_request
 from kvpool.serve.errors import install_handlers
-from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, KeyGate, QuietDisconnect
 from kvpool.serve.protocol import ChatCompletionRequest, CompletionRequest, check_text
 from kvpool.serve.responses import sse_stream, unless_disconnected
 from kvpool.serve.sampling_map import set_controls
@@ -291,4 +291,7 @@ def build_gateway(config: GatewayConfig, predictor: StepTimePredictor, tokenizer
     keyed.add_api_route("/cluster/match", gw.match, methods=["POST"])
     app.include_router(keyed)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    open_paths = OPEN_ROUTES | {"/metrics"} if config.metrics_open else OPEN_ROUTES
+    app.add_middleware(KeyGate, keys=gw.keys, open_paths=open_paths)  # 401 before routing: no path enumeration
+    app.add_middleware(QuietDisconnect)
     return app

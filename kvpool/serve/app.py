@@ -16,7 +16,13 @@ from kvpool.serve.auth import Tenant
 from kvpool.serve.chat import create_chat_completion, render
 from kvpool.serve.completions import create_completion
 from kvpool.serve.errors import install_handlers
-from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, DrainGate
+from kvpool.serve.gate import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    BodyLimit,
+    DrainGate,
+    KeyGate,
+    QuietDisconnect,
+)
 from kvpool.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -115,4 +121,7 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
     app.include_router(tools, dependencies=[Depends(keys.api_key)])
     app.add_middleware(DrainGate, draining=lambda: state.engine.draining, passthrough=frozenset({"/metrics"}))
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    open_paths = OPEN_ROUTES | {"/metrics"} if keys.metrics_open else OPEN_ROUTES
+    app.add_middleware(KeyGate, keys=keys, open_paths=open_paths)  # before the body: none read without a key
+    app.add_middleware(QuietDisconnect)
     return app

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.engine.outputs import RequestOutput
-from kvpool.errors import KVPoolError, Overloaded
+from kvpool.errors import InvalidRequest, KVPoolError, Overloaded
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.serve.errors import ShuttingDown
 from kvpool.serve.metrics import ServerMetrics
@@ -186,6 +186,9 @@ class AsyncEngine:
         """
         if self._draining:
             raise ShuttingDown("the server is shutting down", retry_after_s=self.retry_after_s)
+        if self.max_queue is not None and len(prompts) > self.max_queue:  # never admissible: no retry helps
+            raise InvalidRequest(f"the request holds {len(prompts)} prompts; this server queues at most "
+                                 f"{self.max_queue} (--max-queue): send fewer per request", param="prompt")
         loop = asyncio.get_running_loop()
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         sink: asyncio.Queue = asyncio.Queue()
@@ -280,12 +283,12 @@ class AsyncEngine:
                 self._resolve(cmd.done, None, e)
             self._beat = time.monotonic()
             return
-        waiting = len(engine.scheduler.waiting)
-        if self.max_queue is not None and waiting + len(cmd.request_ids) > self.max_queue:
+        waiting, asked = len(engine.scheduler.waiting), len(cmd.request_ids)
+        if self.max_queue is not None and waiting + asked > self.max_queue:  # transient: the queue drains
             self.metrics.rejected.inc()
             self._resolve(cmd.accepted, None, Overloaded(
-                f"{waiting} requests are waiting (limit {self.max_queue}); retry later",
-                retry_after_s=self.retry_after_s,
+                f"the admission queue is full: {waiting} of at most {self.max_queue} requests are waiting "
+                f"and this one adds {asked}; retry later", retry_after_s=self.retry_after_s,
             ))
             return
         added: list[str] = []

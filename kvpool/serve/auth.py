@@ -49,8 +49,11 @@ def _digest(secret: bytes) -> bytes:
 
 
 def _bearer(request: Request) -> bytes | None:
+    return bearer_token(request.headers.get("authorization"))
+
+
+def bearer_token(header: str | None) -> bytes | None:
     """The token of `Authorization: Bearer <token>` as raw bytes (any bytes are fine: no 500)."""
-    header = request.headers.get("authorization")
     if header is None:
         return None
     raw = header.encode("latin-1")  # starlette decodes header bytes as latin-1: this is lossless
@@ -123,6 +126,15 @@ class KeyRing:
         token = _bearer(request)
         if token is None or not hmac.compare_digest(_digest(token), self.cluster):
             raise Unauthenticated("missing or invalid cluster key (the conductor's --cluster-key)")
+
+    def recognises(self, token: bytes | None) -> bool:
+        """Whether the token is any key of this server (API, cluster or admin): what `KeyGate` asks
+        before routing; each route then checks the key it needs."""
+        if token is None:
+            return False
+        given = _digest(token)
+        known = [d for d, _ in self.api_keys] + [d for d in (self.cluster, self.admin) if d is not None]
+        return sum(hmac.compare_digest(given, d) for d in known) > 0  # every one compared, no early exit
 
     def is_admin(self, token: bytes | None) -> bool:
         return self.admin is not None and token is not None and hmac.compare_digest(_digest(token), self.admin)

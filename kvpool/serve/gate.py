@@ -1,4 +1,9 @@
-"""ASGI middleware in front of every route: a body-size limit and the shutdown drain.
+"""ASGI middleware in front of every route: the key check, a body-size limit and the shutdown drain.
+
+`KeyGate` answers 401 before routing to a request without a key this server knows (so unknown
+paths and redirects tell nothing without a key); the routes then check the key each needs.
+`QuietDisconnect` keeps a client's hang-up on a non-streaming request (which cancels its work) out
+of the error log: one debug line instead of an ASGI traceback.
 
 `BodyLimit` answers 413 for a declared Content-Length over the limit without reading the body,
 and for a body that grows past the limit while it arrives (chunked, or a lying Content-Length);
@@ -9,12 +14,16 @@ answer instead of a refused connection); in-flight requests are not affected.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from kvpool.serve.errors import RequestTooLarge, ShuttingDown, classify
+from kvpool.serve.auth import KeyRing, bearer_token
+from kvpool.serve.errors import RequestTooLarge, ShuttingDown, Unauthenticated, classify
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -22,6 +31,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+logger = logging.getLogger(__name__)
 
 
 def _error(exc: Exception) -> JSONResponse:
@@ -66,6 +77,40 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class KeyGate:
+    """With API keys configured: 401 for every path but `open_paths` unless the request carries a
+    key of `keys` (without keys every route is open, and so is every path)."""
+
+    def __init__(self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str]) -> None:
+        self.app, self.keys, self.open_paths = app, keys, open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and not self.keys.open and scope.get("path") not in self.open_paths
+                and not self.keys.recognises(bearer_token(Headers(scope=scope).get("authorization")))):
+            await _error(Unauthenticated("missing or invalid API key (send Authorization: Bearer <key>)"))(
+                scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class QuietDisconnect:
+    """`unless_disconnected` raises CancelledError when the client of a non-streaming request hangs
+    up (its engine requests are aborted then): normal traffic, logged once at debug level. A real
+    cancellation of the task (the server stopping) is re-raised."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if scope["type"] != "http" or (task is not None and task.cancelling()):
+                raise
+            logger.debug("client disconnected before the response: %s %s", scope.get("method"), scope.get("path"))
 
 
 class DrainGate:

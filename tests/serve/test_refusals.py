@@ -1,0 +1,73 @@
+"""#31 item 3: every refusal is classified once. A request no retry can ever serve (more prompts
+than the queue holds, a prompt beyond the context, more KV than the whole cache) is a 400 naming
+the field and the limit; only a full queue, which drains, is a 429 with Retry-After and a true count."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from conftest import AUTH
+
+from kvpool.errors import InvalidRequest, Overloaded
+from kvpool.sched.sampling_params import SamplingParams
+from kvpool.serve.async_engine import AsyncEngine, _Add
+from kvpool.serve.metrics import ServerMetrics
+
+
+def _post(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body, timeout=120)
+
+
+def _assert_400(r: httpx.Response, param: str, *words: str) -> None:
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert "retry-after" not in r.headers
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400_naming_prompt_and_the_limit(server):
+    _assert_400(_post(server, {"prompt": ["hi"] * 2000, "max_tokens": 1}), "prompt", "2000", "1024", "--max-queue")
+
+
+def test_a_prompt_longer_than_the_context_is_a_400_naming_prompt(server):
+    _assert_400(_post(server, {"prompt": [11] * 1100, "max_tokens": 1}), "prompt", "1024")
+
+
+def test_max_tokens_beyond_the_context_is_a_400_naming_max_tokens(server):
+    _assert_400(_post(server, {"prompt": "hi", "max_tokens": 5000}), "max_tokens", "1024")
+
+
+def test_more_kv_than_the_whole_cache_is_a_400(server):
+    # n=8 samples of 600 tokens each need more than the 256 blocks of 16 the server has
+    _assert_400(_post(server, {"prompt": [11] * 400, "max_tokens": 600, "n": 8}), "max_tokens", "256")
+
+
+class _Waiting:
+    def __init__(self, n: int) -> None:
+        self.scheduler = type("S", (), {"waiting": [object()] * n})()
+
+
+def test_a_full_queue_is_a_429_that_counts_what_waits_and_what_the_request_adds():
+    engine = AsyncEngine(_Waiting(3), ServerMetrics("m"), max_queue=4)
+
+    async def refused() -> Exception:
+        engine._loop = asyncio.get_running_loop()
+        accepted = engine._loop.create_future()
+        engine._apply(_Add(["a", "b"], [[1], [2]], SamplingParams(max_tokens=1), 0.0, None, asyncio.Queue(), accepted))
+        with pytest.raises(Overloaded) as e:
+            await accepted
+        return e.value
+
+    e = asyncio.run(refused())
+    assert "3 of at most 4 requests are waiting" in str(e) and "adds 2" in str(e) and e.retry_after_s >= 1
+
+
+def test_a_request_the_queue_could_never_hold_is_refused_before_it_is_queued():
+    engine = AsyncEngine(_Waiting(0), ServerMetrics("m"), max_queue=4)
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(engine.submit("r", [[1]] * 5, SamplingParams(max_tokens=1), 0.0))
+    assert e.value.param == "prompt" and engine._commands.empty()
