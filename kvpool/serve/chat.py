@@ -101,8 +101,8 @@ async def _chunks(
                 continue
             text, first = cur.advance(c, holdback)
             pieces = calls[c.index].feed(text) + (calls[c.index].finish() if cur.done else [])
-            if not pieces and first == cur.tokens_sent and not cur.done:
-                continue
+            if not pieces and not cur.done and (first == cur.tokens_sent or c.logprobs is None):
+                continue  # nothing to say yet (e.g. a forced call's JSON before its name is known)
             # one chunk per piece (a tool call's header, then its arguments); logprobs ride on
             # the first, the finish reason on the last
             pieces = pieces or [{}]
