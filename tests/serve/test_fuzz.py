@@ -3,12 +3,20 @@ OpenAI's error shape, never a 500, and the engine stays healthy and correct (#13
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import socket
+import threading
+import time
 
 import pytest
-from conftest import KEYS
+import uvicorn
+from conftest import CLUSTER_KEY, KEYS, build_inprocess_app, free_port
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+from kvpool.serve.cli import add_arguments, server_config
 
 AUTH = {"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"}
 
@@ -129,3 +137,112 @@ def test_after_the_fuzzing_the_engine_is_healthy_and_exact(inprocess, before):
     assert client.post("/v1/completions", json=REFERENCE, headers=AUTH).json()["choices"][0]["text"] == before
     usage = state.engine.engine.scheduler.kv.usage()
     assert usage.free_blocks == usage.total_blocks
+
+
+# -- the same bodies on a real socket, with the framing and key headers fuzzed too (#31 item 9) --
+RAW_WAIT_S = 60.0  # the test's bound on one exchange: a hang fails it
+
+
+@pytest.fixture(scope="module")
+def raw_server():
+    """The in-process app behind uvicorn with `kvpool serve`'s connection layer, on a free port;
+    short header and body deadlines so a request that never completes is cut off quickly."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--port", str(free_port()), "--header-timeout", "1", "--body-timeout", "0.5"])
+    app, _ = build_inprocess_app()
+    server = uvicorn.Server(server_config(app, args))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + RAW_WAIT_S
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield args.host, args.port
+    server.should_exit = True
+    thread.join(RAW_WAIT_S)
+
+
+def _chunked(body: bytes, sizes: list[int], terminated: bool) -> bytes:
+    out, i = b"", 0
+    for n in sizes:
+        if i >= len(body):
+            break
+        out += b"%x\r\n%s\r\n" % (len(body[i:i + n]), body[i:i + n])
+        i += n
+    if i < len(body):
+        out += b"%x\r\n%s\r\n" % (len(body) - i, body[i:])
+    return out + (b"0\r\n\r\n" if terminated else b"")
+
+
+authorizations = st.one_of(  # half of them valid, so the framing reaches the routes
+    st.just(f"Bearer {KEYS[0]}"),
+    st.sampled_from([f"Bearer {KEYS[0]}", f"Bearer {KEYS[1]}", None, "Bearer wrong", "Bearer", "Basic eA==",
+                     f"bearer {KEYS[0]}", f"Bearer  {KEYS[0]} x", f"Bearer {CLUSTER_KEY}"]),
+    st.text(st.characters(min_codepoint=32, max_codepoint=255), max_size=30),
+)
+framings = st.one_of(
+    st.tuples(st.just("length"), st.sampled_from([0, 0, 0, -5, -1, 1, 7, 50])),  # declared - actual bytes
+    st.tuples(st.just("bad-length"), st.sampled_from(["abc", "-1", "1e3", " 12", "0x10", "", "99999999999999999999"])),
+    st.tuples(st.just("none"), st.none()),
+    st.tuples(st.just("chunked"), st.tuples(st.lists(st.integers(1, 40), max_size=4), st.booleans())),
+    st.tuples(st.just("te"), st.sampled_from(["gzip", "chunked, gzip", "identity", "chunked;x", "CHUNKED"])),
+    st.tuples(st.just("te+length"), st.integers(0, 30)),
+)
+
+
+def _request(path: str, body: bytes, auth: str | None, framing: tuple) -> tuple[bytes, bool]:
+    """The raw request and whether its body is complete as framed (an incomplete one may be cut off)."""
+    kind, arg = framing
+    head = [f"POST {path} HTTP/1.1", "Host: fuzz", "Content-Type: application/json", "Connection: close"]
+    if auth is not None:
+        head.append(f"Authorization: {auth}")
+    complete = True
+    if kind == "length":
+        head.append(f"Content-Length: {max(0, len(body) + arg)}")
+        complete = arg <= 0
+    elif kind == "bad-length":
+        head.append(f"Content-Length: {arg}")
+        complete = False  # the server may wait for a body it was promised
+    elif kind == "chunked":
+        head.append("Transfer-Encoding: chunked")
+        sizes, terminated = arg
+        body, complete = _chunked(body, sizes, terminated), terminated
+    elif kind == "te":
+        head.append(f"Transfer-Encoding: {arg}")
+        complete = False
+    elif kind == "te+length":
+        head += ["Transfer-Encoding: chunked", f"Content-Length: {arg}"]
+        body = _chunked(body, [], True)
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body, complete
+
+
+def _exchange(addr: tuple[str, int], raw: bytes) -> bytes:
+    with socket.create_connection(addr, timeout=RAW_WAIT_S) as s:
+        with contextlib.suppress(OSError):  # the server may answer and close first (a 401 before the body)
+            s.sendall(raw)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            pytest.fail(f"no answer and no close within {RAW_WAIT_S} s: {raw[:300]!r}")
+    return got
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/models/"]),
+       body=st.one_of(_bodies(COMPLETION, "prompt"), _bodies(CHAT, "messages")), auth=authorizations,
+       framing=framings)
+def test_any_framing_and_key_header_is_answered_without_a_500_or_a_hang(raw_server, path, body, auth, framing):
+    raw, complete = _request(path, json.dumps(body).encode(), auth, framing)
+    got = _exchange(raw_server, raw)
+    if not got:
+        event("closed without an answer")
+        assert not complete, raw[:300]  # only a request that never finished may go unanswered
+        return
+    status = int(got.split(b" ", 2)[1])
+    event(f"HTTP {status}")
+    assert status == 200 or 300 <= status < 500, got[:500]
