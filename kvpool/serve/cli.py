@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from kvpool.engine.config import add_engine_args, engine_config_from_args
 from kvpool.errors import ConfigError
 from kvpool.serve.auth import ADMIN_KEY_ENV, add_auth_arguments, keyring_from_args
+from kvpool.serve.conn_guard import ConnectionLimits, guarded_h11
 from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES
 from kvpool.serve.tools import TOOL_CALL_PARSERS
 from kvpool.sizes import parse_bytes
@@ -51,6 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most requests allowed to wait for admission; beyond it new ones get 429")
     group.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
                        help="largest request body accepted (e.g. 4MiB); larger ones get 413 (default: 4 MiB)")
+    group.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                       help="seconds a request's headers may take to arrive (from the connection, or from the "
+                            "request's first byte); a slower client is disconnected (default: 10)")
+    group.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                       help="seconds a request's body may take after its headers (default: 60)")
+    group.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                       help="seconds an idle keep-alive connection stays open between requests (default: 5)")
+    group.add_argument("--max-connections-per-client", type=int, default=512, metavar="N",
+                       help="concurrent connections one client address may hold; more are closed at once "
+                            "(0: no cap; default: 512; a conductor talks to its instances from one address)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     group.add_argument("--watchdog-timeout", type=float, default=60.0,
@@ -139,6 +150,19 @@ def model_aliases(args: argparse.Namespace, loaded, names: tuple[str, ...]) -> f
     return frozenset({*names[1:], *given, str(loaded.path), str(Path(loaded.path).resolve()), loaded.name})
 
 
+def server_config(app, args: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn's config for `app` with the connection limits of `args` (checked here)."""
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--timeout-keep-alive", args.timeout_keep_alive)):
+        if not value > 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    if args.max_connections_per_client < 0:
+        raise ConfigError(f"--max-connections-per-client must be >= 0, got {args.max_connections_per_client}")
+    limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections_per_client)
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
+                          access_log=False, http=guarded_h11(limits), timeout_keep_alive=args.timeout_keep_alive)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -157,6 +181,7 @@ def main(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     if args.role:
         args.publish_kv_events = True  # the conductor drains them through /internal/state
+    server_config(None, args)  # the connection limits, checked before the model loads
     config = engine_config_from_args(args)  # every engine flag checked before anything loads
     check_port_free(args.host, args.port)
 
@@ -189,9 +214,7 @@ def main(args: argparse.Namespace) -> int:
         from kvpool.serve.internal import build_internal_router
 
         app.include_router(build_internal_router(state, args.role, args.kv_remote))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=5, access_log=False)
-    server = DrainingServer(config, async_engine, args.shutdown_timeout)
+    server = DrainingServer(server_config(app, args), async_engine, args.shutdown_timeout)
     # uvicorn re-raises the signal it caught once it has drained; a no-op handler makes that a clean exit
     signal.signal(signal.SIGTERM, lambda *_: None)
     auth = " -H \"Authorization: Bearer $KVPOOL_API_KEY\"" if not keys.open else ""
