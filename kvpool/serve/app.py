@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvpool.serve.auth import Tenant
 from kvpool.serve.chat import create_chat_completion, render
 from kvpool.serve.completions import create_completion
-from kvpool.serve.errors import install_handlers
+from kvpool.serve.errors import ModelNotFound, install_handlers
 from kvpool.serve.gate import (
     DEFAULT_MAX_REQUEST_BYTES,
     BodyLimit,
@@ -29,6 +29,8 @@ from kvpool.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvpool.serve.responses_api import create_response
+from kvpool.serve.responses_protocol import ResponsesRequest
 from kvpool.serve.state import ServerState
 from kvpool.version import __version__
 
@@ -75,6 +77,18 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
         cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "kvpool",
                   "root": state.model_name, "max_model_len": state.max_model_len} for name in names]
         return {"object": "list", "data": cards}
+
+    @v1.get("/models/{model_id:path}")
+    async def model_card(model_id: str) -> dict:
+        if not model_id:
+            raise ModelNotFound("give a model id: GET /v1/models/{id}", param="model")
+        state.check_model(model_id)  # 404 model_not_found for a name this server does not serve
+        return {"id": model_id, "object": "model", "created": state.created, "owned_by": "kvpool",
+                "root": state.model_name, "max_model_len": state.max_model_len}
+
+    @v1.post("/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        return await create_response(state, req, raw)
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, raw: Request):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -11,6 +12,7 @@ from starlette.requests import Request
 
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.errors import InvalidRequest
+from kvpool.sched.sampling_params import SamplingParams
 from kvpool.serve.auth import request_salt
 from kvpool.serve.protocol import ChatCompletionRequest, ChatMessage
 from kvpool.serve.responses import (
@@ -19,6 +21,7 @@ from kvpool.serve.responses import (
     collect,
     holdback_for,
     sse_stream,
+    system_fingerprint,
     unless_disconnected,
     usage,
 )
@@ -50,8 +53,20 @@ def render_request(tokenizer: Any, req: ChatCompletionRequest, plan: ToolPlan) -
                   req.add_special_tokens, plan.template_tools)
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
-    arrival = time.monotonic()
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request submitted to the engine: its tool plan, parameters and output stream."""
+
+    rid: str
+    plan: ToolPlan
+    params: SamplingParams
+    stream: AsyncIterator[tuple[int, RequestOutput]]
+
+
+async def submit_chat(state: ServerState, req: ChatCompletionRequest, raw: Request, prefix: str = "chatcmpl",
+                      arrival: float | None = None) -> ChatRun:
+    """Validate, render and submit (shared by /v1/chat/completions and /v1/responses)."""
+    arrival = time.monotonic() if arrival is None else arrival
     req.check(state.vocab_size)
     state.check_model(req.model)
     plan = ToolPlan.of(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_call_parser)
@@ -60,10 +75,17 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if max_tokens is None:
         max_tokens = state.default_max_tokens(len(ids), req.n)
     params = plan.constrain(req.sampling_params(max_tokens, req.num_logprobs), compact_json(req))
-    rid = state.engine.new_request_id("chatcmpl")
+    rid = state.engine.new_request_id(prefix)
     salt = request_salt(raw, req.cache_salt, req.cache_scope)
     stream = await state.engine.submit(rid, [ids], params, arrival, salt)
-    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    return ChatRun(rid, plan, params, stream)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    run = await submit_chat(state, req, raw)
+    plan, params, stream = run.plan, run.params, run.stream
+    head = {"id": run.rid, "created": int(time.time()), "model": state.model_name,
+            "system_fingerprint": system_fingerprint(state)}
     if req.stream:
         chunks = _chunks(state, req, plan, head, stream, holdback_for(params.stop))
         return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")

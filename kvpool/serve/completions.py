@@ -20,6 +20,7 @@ from kvpool.serve.responses import (
     holdback_for,
     prompt_complete,
     sse_stream,
+    system_fingerprint,
     unless_disconnected,
     usage,
     vllm_prompt_logprobs,
@@ -41,7 +42,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     rid = state.engine.new_request_id("cmpl")
     salt = request_salt(raw, req.cache_salt, req.cache_scope)
     stream = await state.engine.submit(rid, ids, params, arrival, salt)
-    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    head = {"id": rid, "created": int(time.time()), "model": state.model_name,
+            "system_fingerprint": system_fingerprint(state)}
     if req.stream:
         chunks = _chunks(state, req, head, stream, texts, holdback_for(params.stop))
         return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")

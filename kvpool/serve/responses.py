@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -12,6 +13,14 @@ from starlette.requests import Request
 
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.serve.errors import classify
+
+
+def system_fingerprint(state: Any) -> str:
+    """OpenAI's `system_fingerprint`: names what produced the tokens (model identity, weight
+    dtype, KV dtype), so a client sees when a change of configuration may change outputs."""
+    engine = state.engine.engine
+    ident = f"{engine.loaded.name}|{engine.dtype}|{engine.kv_dtype}|{engine.config.quantization}"
+    return "fp_" + hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 
 def usage(outputs: dict[int, RequestOutput]) -> dict[str, Any]:
