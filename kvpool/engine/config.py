@@ -47,6 +47,41 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "int8")
+QUANTIZATIONS = ("int8", "q4")  # weight-only, on load (kvpool/engine/models/quantize_on_load.py)
+# --kv-cache-memory auto: room for this many full-length sequences (at least KV_AUTO_MIN), at
+# most this fraction of the memory left free once the weights are in (vLLM's utilization fraction)
+KV_AUTO_CONTEXTS = 2
+KV_AUTO_FRACTION = 0.5
+KV_AUTO_MIN = 1 << 30
+
+
+def kv_budget(kv_cache_memory: str, bytes_per_token: int, max_model_len: int, available: int) -> int:
+    """The KV cache's bytes: a size as given, a fraction of `available` (the memory free once
+    the weights are loaded), or `auto`: KV_AUTO_CONTEXTS full-length sequences of this model
+    (so the budget follows its per-token size), capped at KV_AUTO_FRACTION of `available`."""
+    from kvpool.sizes import parse_bytes
+
+    if kv_cache_memory != "auto":
+        return parse_bytes(kv_cache_memory, "kv_cache_memory", available)
+    wanted = max(KV_AUTO_MIN, KV_AUTO_CONTEXTS * max_model_len * bytes_per_token)
+    cap = int(KV_AUTO_FRACTION * available)
+    budget = min(wanted, cap)
+    why = f"{KV_AUTO_CONTEXTS} sequences of {max_model_len} tokens" if wanted > KV_AUTO_MIN else "the floor"
+    if budget < wanted:
+        why = f"{KV_AUTO_FRACTION:g} of the free memory (below {why}: {wanted / 2**30:.2f} GiB)"
+    logger.info("KV budget auto: %.2f GiB = %s; %d tokens of %d bytes, %.2f GiB free after the weights",
+                budget / 2**30, why, budget // bytes_per_token, bytes_per_token, available / 2**30)
+    return budget
+
+
+def fixed_kv_bytes(kv_cache_memory: str) -> int:
+    """The KV budget known before the model loads (a size): what the loader must leave free
+    beside the weights. A fraction or `auto` sizes itself to what is left, so 0."""
+    from kvpool.sizes import parse_bytes
+
+    if kv_cache_memory == "auto":
+        return 0
+    return parse_bytes(kv_cache_memory, "kv_cache_memory", available=0)
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -69,7 +104,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto is resolved in __post_init__
     kv_cache_dtype: str = "auto"  # auto (= dtype) | float32 | bfloat16 | fp8_e4m3 | int8 (kv_quant.py)
     block_size: int = 16
-    kv_cache_memory: str = "1GiB"  # bytes, or a fraction of free memory
+    kv_cache_memory: str = "auto"  # auto (kv_budget), bytes, or a fraction of free memory
     num_blocks: int | None = None  # overrides kv_cache_memory (tests, experiments)
     swap_space: str = "1GiB"  # host KV pool for swap preemption
     max_num_seqs: int = 256
@@ -84,12 +119,13 @@ class EngineConfig:
     max_logprobs: int = 20
     cpu_weight_packing: bool = True  # oneDNN-packed projections on CPU (faster; same results to rounding)
     cpu_q4_kernels: bool = True  # decode batches read the checkpoint's 4-bit groups (needs packing)
+    quantization: str | None = None  # int8 | q4: quantize an HF checkpoint's weights on load
     kv_host_memory: str = "0"  # tiered store: host DRAM tier budget (0 = off)
     kv_disk_path: str | None = None
     kv_disk_size: str = "10GiB"
     kv_remote: str | None = None  # redis://host:port or mooncake://host:port
     kv_write_policy: str = "write-through"
-    kv_disk_codec: str = "none"  # none | zstd | zstd-shuffle (kvpool/store/codec.py)
+    kv_disk_codec: str = "none"  # none | zstd | zstd-shuffle | int8[+zstd] | int4[+zstd] (kvpool/store/codec.py)
     kv_remote_codec: str = "none"
     kv_layerwise_load: bool = True  # store hits land layer by layer during the forward (kvpool/engine/layerwise.py)
     publish_kv_events: bool = False  # keep stored/evicted hashes for drain_kv_events()
@@ -129,7 +165,14 @@ class EngineConfig:
             raise ConfigError(f"eviction_policy must be one of {', '.join(POLICIES)}, got {self.eviction_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ConfigError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
-        parse_bytes(self.kv_cache_memory, "kv_cache_memory", available=1)  # the syntax; the size comes later
+        if self.kv_cache_memory != "auto":
+            parse_bytes(self.kv_cache_memory, "kv_cache_memory", available=1)  # the syntax; the size comes later
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization is not None and self.model is not None and self.model.endswith(".gguf"):
+            raise ConfigError(f"quantization={self.quantization!r}: model {self.model!r} is a GGUF file, quantized already")
+        if self.quantization is not None and self.model is None:
+            raise ConfigError(f"quantization={self.quantization!r}: the bundled model is a GGUF file, quantized already")
         for name in ("swap_space", "kv_host_memory", "kv_disk_size"):
             parse_bytes(getattr(self, name), name)
         if self.kv_remote and not self.kv_remote.startswith(("redis://", "mooncake://")):
@@ -157,7 +200,10 @@ _HELP = {
     "kv_cache_dtype": "KV cache dtype: auto (= --dtype) | float32 | bfloat16 | fp8_e4m3 | int8; int8 / fp8 "
     "keep one float32 scale per token and KV head (~1.9x the blocks of bf16 at head_dim 64; docs/kv_quant.md)",
     "model": "a .gguf file or an HF model directory (default: the bundled SmolLM2-135M-Instruct)",
-    "kv_cache_memory": "KV cache budget: bytes (2GiB, 512MB) or a fraction of free memory (0.3)",
+    "kv_cache_memory": "KV cache budget: auto (2 full-length sequences of this model, at most half the memory "
+    "free after the weights), bytes (2GiB, 512MB) or a fraction of the free memory (0.3)",
+    "quantization": "int8 | q4: quantize an HF checkpoint's projections on load (weight-only, groups of 32: "
+    "Q8_0 / Q4_1 for the 8-bit / 4-bit kernels; the LM head Q8_0); refused for a GGUF file",
     "num_blocks": "number of KV blocks of the whole model's layers (overrides --kv-cache-memory)",
     "swa_freeing": "sliding-window layers free KV blocks outside the window (off: they keep every block)",
     "swap_space": "host KV pool for swap preemption (bytes)",
@@ -173,8 +219,9 @@ _HELP = {
     "kv_disk_size": "tiered KV store: disk tier budget",
     "kv_remote": "tiered KV store: shared pool URL, redis://host:port or mooncake://host:port",
     "kv_write_policy": "write-through (save every computed block) | write-back (save on device eviction)",
-    "kv_disk_codec": "disk tier block codec: none | zstd | zstd-shuffle (lossless; see docs/store.md)",
-    "kv_remote_codec": "remote tier block codec: none | zstd | zstd-shuffle (lossless; see docs/store.md)",
+    "kv_disk_codec": "disk tier block codec: none | zstd | zstd-shuffle (lossless), int8 | int8+zstd | int4 | "
+    "int4+zstd (quantized: ~2x / ~3x fewer bytes of bf16 KV, approximate; see docs/store.md)",
+    "kv_remote_codec": "remote tier block codec: as --kv-disk-codec",
     "kv_layerwise_load": "tiered KV store: write a store hit into the device cache layer by layer while "
     "the forward computes (the forward waits for layer l before computing it); off: whole blocks between steps",
 }

@@ -21,7 +21,13 @@ import torch
 
 from kvpool.core.block_pool import KVEvents
 from kvpool.core.layer_groups import LayerGroups, group_layers
-from kvpool.engine.config import EngineConfig, available_host_memory, resolve_kv_dtype
+from kvpool.engine.config import (
+    EngineConfig,
+    available_host_memory,
+    fixed_kv_bytes,
+    kv_budget,
+    resolve_kv_dtype,
+)
 from kvpool.engine.controls import Controls, best_of
 from kvpool.engine.kv_io import KVStoreConnector
 from kvpool.engine.kv_quant import QUANTIZED, bytes_per_token, row_width, storage_dtype
@@ -69,7 +75,9 @@ class Engine:
         device = "cuda" if config.device == "auto" and torch.cuda.is_available() else config.device
         self.device = torch.device("cpu" if device == "auto" else device)
         self.dtype = DTYPES[config.dtype]
-        self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device)
+        self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device,
+                                           quantization=config.quantization,
+                                           reserve_bytes=fixed_kv_bytes(config.kv_cache_memory))
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
@@ -188,7 +196,8 @@ class Engine:
         return events
 
     def _blocks_from_budget(self, per_block: int) -> int:
-        budget = parse_bytes(self.config.kv_cache_memory, "kv_cache_memory", available_host_memory())
+        budget = kv_budget(self.config.kv_cache_memory, per_block // self.config.block_size, self.max_model_len,
+                           available_host_memory())
         if budget < per_block:
             raise ConfigError(f"KV budget {budget} bytes holds no block; one block needs {per_block} bytes")
         return budget // per_block

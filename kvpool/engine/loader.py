@@ -1,5 +1,8 @@
 """Load a Llama-family model from a GGUF file or an HF directory into LlamaForCausal.
 
+An HF directory is read straight into parameters of the run dtype (hf_weights.py) and quantized
+only on request (quantize_on_load.py); a GGUF file's weights come with their exact groups.
+
 GGUF tensors are dequantized to float with the `gguf` package; llama.cpp's rotary permutation
 of the Q/K rows is undone so the model uses HF's rotate_half convention for every source.
 """
@@ -25,12 +28,17 @@ import torch
 from tokenizers import Tokenizer as FastTokenizer
 from torch import Tensor
 
-from kvpool.engine.models import quantized
+from kvpool.engine.config import QUANTIZATIONS, available_host_memory
+from kvpool.engine.models import hf_weights, quantized
 from kvpool.engine.models.config import ModelConfig
 from kvpool.engine.models.gguf_config import gguf_model_config
 from kvpool.engine.models.gguf_file import GGUFFile, GGUFTensor
 from kvpool.engine.models.hf_config import hf_config_to_model_config
 from kvpool.engine.models.llama import LlamaForCausal
+from kvpool.engine.models.quantize_on_load import (
+    GROUP_BYTES_PER_WEIGHT,
+    quantize_model,
+)
 from kvpool.engine.tokenizer import Tokenizer
 from kvpool.errors import ConfigError
 
@@ -66,32 +74,39 @@ def load_model(
     path: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    quantization: str | None = None,
+    reserve_bytes: int = 0,
 ) -> LoadedModel:
-    """Build the model, its tokenizer and identity from a .gguf file or an HF model directory."""
+    """Build the model, its tokenizer and identity from a .gguf file or an HF model directory.
+    `quantization` (int8 | q4, HF directories only) quantizes the projections on load;
+    `reserve_bytes`: memory the caller needs beside the weights (its KV budget), checked with
+    them against the free memory before anything is read."""
     path = default_model_path() if path is None else Path(path)
     start = time.perf_counter()
     if path.is_dir():
-        config, weights, tokenizer = _read_hf_dir(path)
+        model, config, tokenizer = _load_hf_dir(path, dtype, quantization, reserve_bytes)
     elif path.suffix == ".gguf" and path.is_file():
+        if quantization is not None:
+            raise ConfigError(f"quantization={quantization!r}: {path.name} is a GGUF file, quantized already")
         config, weights, tokenizer = _read_gguf_cached(path)
+        model = LlamaForCausal(config)  # allocated, not initialized (no meta device: see CheckpointLinear)
+        model.load_weights(weights)
+        if torch.device(device).type == "cpu":
+            # the file's exact groups for the quantized kernels, from its cache, before a bf16 cast
+            model.quant_groups = _quant_groups(model, path)
     else:
         raise ConfigError(f"model path {str(path)!r} is neither a .gguf file nor an HF directory")
-    model = LlamaForCausal(config)  # its weights allocated, not initialized (no meta device: see CheckpointLinear)
-    model.load_weights(weights)
-    if torch.device(device).type == "cpu" and (dtype == torch.bfloat16 or path.suffix == ".gguf"):
-        # the exact groups for the quantized kernels: before a bf16 cast rounds the weights, and
-        # for a GGUF file from its cache (recovering them takes ~3 s in every process)
-        model.quant_groups = _quant_groups(model, path)
     model = model.to(device=device, dtype=dtype).eval()
     for rotary in (model.rotary, model.local_rotary):
         if rotary is not None:
             rotary.cos, rotary.sin = rotary.cos.float(), rotary.sin.float()
-    name = f"{path.stem}-{config.fingerprint()}"
+    name = f"{path.stem}-{config.fingerprint()}" + (f"-{quantization}" if quantization else "")
     logger.info(
-        "loaded %s (%.1fM params, %s) in %.1fs",
+        "loaded %s (%.1fM params, %s%s) in %.1fs",
         name,
         config.num_parameters() / 1e6,
         dtype,
+        f", {quantization} weights" if quantization else "",
         time.perf_counter() - start,
     )
     return LoadedModel(model, config, tokenizer, name, path)
@@ -100,22 +115,50 @@ def load_model(
 # --- HF directory ---------------------------------------------------------------------------
 
 
-def _read_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
-    from safetensors.torch import load_file
-
+def _load_hf_dir(
+    path: Path, dtype: torch.dtype, quantization: str | None, reserve_bytes: int
+) -> tuple[LlamaForCausal, ModelConfig, Tokenizer]:
+    """The model built in `dtype` and filled from the shards (hf_weights.py); its weights are
+    quantized only when asked: an HF checkpoint has no groups to recover."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     cfg = json.loads((path / "config.json").read_text())
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     config = hf_config_to_model_config(cfg, gen)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"no *.safetensors in {path}")
+    tensors = hf_weights.stored_tensors(hf_weights.checkpoint_files(path))
+    check_fits(path, weight_bytes(config, dtype, quantization), reserve_bytes)
+    tokenizer = Tokenizer.from_hf_dir(path, config.eos_token_ids)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters allocated in the run dtype: no float32 staging
+    try:
+        model = LlamaForCausal(config)
+    finally:
+        torch.set_default_dtype(previous)
+    hf_weights.read_into(model, tensors)
+    if quantization is not None:
+        model.quant_groups = quantize_model(model, quantization)
+    return model, config, tokenizer
 
-    def weights() -> Iterator[tuple[str, Tensor]]:
-        for f in files:
-            yield from load_file(f).items()
 
-    return config, weights(), Tokenizer.from_hf_dir(path, config.eos_token_ids)
+def weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
+    """Bytes the weights take once loaded in `dtype` (with their quantized groups, if any)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    n = config.num_parameters()
+    return int(n * (elem + (GROUP_BYTES_PER_WEIGHT[quantization] if quantization else 0)))
+
+
+def check_fits(path: Path, weights: int, reserve: int) -> None:
+    """Refuse, before reading it, a model whose weights and the caller's reserve (KV budget)
+    exceed the memory available now."""
+    available = available_host_memory()
+    if weights + reserve > available:
+        raise ConfigError(
+            f"model {path.name} does not fit in memory: its weights take {weights / 2**30:.2f} GiB"
+            f" and the KV budget {reserve / 2**30:.2f} GiB, {(weights + reserve) / 2**30:.2f} GiB in all,"
+            f" but {available / 2**30:.2f} GiB is available (try --dtype bfloat16, --quantization q4"
+            " or a smaller --kv-cache-memory)"
+        )
 
 
 # --- GGUF -----------------------------------------------------------------------------------
@@ -217,12 +260,10 @@ def _read_gguf_cached(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tens
 
 
 def _quant_groups(model: LlamaForCausal, path: Path) -> dict[str, tuple[Tensor, ...]]:
-    """`model_groups` of the loaded weights; for a GGUF file recovered once and cached beside
-    its dequantized weights, keyed by the code that recovers them (a change there redoes it),
-    and checked against the weights on every load (~0.3 s; recovering takes ~3 s)."""
+    """`model_groups` of a GGUF file's weights, recovered once and cached beside its dequantized
+    weights, keyed by the code that recovers them (a change there redoes it), and checked
+    against the weights on every load (~0.3 s; recovering takes ~3 s)."""
     head = "embed_tokens.weight" if model.lm_head is None else "lm_head"
-    if path.suffix != ".gguf":
-        return quantized.model_groups(model, head)
     from safetensors.torch import load_file, save_file
 
     code = hashlib.sha256(Path(quantized.__file__).read_bytes()).hexdigest()[:12]

@@ -73,15 +73,22 @@ def checkpoint(request, tmp_path_factory):
     return _build(request.param, tmp_path_factory)
 
 
-def _build(name: str, tmp_path_factory):
+def hf_model(name: str):
+    """transformers' model of ARCHS[name], random weights of seed 0, eager attention."""
     config_cls, model_cls, extra = ARCHS[name]
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = getattr(transformers, config_cls)(**SHAPE, **extra)
         cfg._attn_implementation = "eager"
-        hf = getattr(transformers, model_cls)(cfg).eval()
-        path = tmp_path_factory.mktemp(name)
+        return getattr(transformers, model_cls)(cfg).eval()
+
+
+def _build(name: str, tmp_path_factory):
+    hf = hf_model(name)
+    path = tmp_path_factory.mktemp(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         hf.save_pretrained(path)
     _tokenizer_json(path)
     return name, path, load_model(path, dtype=torch.float32), hf

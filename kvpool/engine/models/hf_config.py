@@ -2,18 +2,23 @@
 
 Every key of the config is either read (and its value checked), known to leave inference
 unchanged, or refused with a ConfigError naming it: a checkpoint setting we do not implement
-would otherwise load and give wrong tokens without an error. Both config generations are
+would otherwise load and give wrong tokens without an error. Metadata is recognised by name
+(the keys transformers, PEFT and conversion tools write), by shape (a leading underscore, a
+`*_token_id`) or by a value that selects what we compute anyway (`rope_interleaved: false`), and
+logged once at debug level. Both config generations are
 read: `rope_theta` / `rope_scaling` (transformers 4) and `rope_parameters` (transformers 5).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.engine.models.config import ACTIVATIONS, ModelConfig
 from kvpool.errors import ConfigError
 
+logger = logging.getLogger(__name__)
 
 def _words(text: str) -> frozenset[str]:
     return frozenset(text.split())
@@ -35,8 +40,14 @@ _INERT = _words(
     "forced_bos_token_id forced_eos_token_id remove_invalid_values "
     "exponential_decay_length_penalty suppress_tokens begin_suppress_tokens "
     "_attn_implementation_autoset _attn_implementation attn_implementation pretraining_tp "
-    "cache_implementation auto_map keys_to_ignore_at_inference"
+    "cache_implementation auto_map keys_to_ignore_at_inference "
+    # informational keys of conversion and fine-tuning tools (nanotron, transformers.js, Unsloth)
+    "is_llama_config transformers.js_config unsloth_version unsloth_fixed model_name "
+    "base_model_name_or_path tokenizer_name"
 )
+# Keys that would change the computation at other values: accepted at the one we compute.
+_NEUTRAL = {"rope_interleaved": False, "use_mrope": False}
+_logged_inert: set[str] = set()
 _ROPE_KEYS = _words(
     "rope_type type rope_theta factor low_freq_factor high_freq_factor "
     "original_max_position_embeddings partial_rotary_factor"
@@ -104,11 +115,18 @@ def hf_config_to_model_config(cfg: dict[str, Any], gen: dict[str, Any]) -> Model
     arch = ARCHS.get(model_type)
     if arch is None:
         raise ConfigError(f"model_type {model_type!r} unsupported; expected one of {sorted(ARCHS)}")
-    for key in cfg:
-        if key not in _INERT and key not in _SHAPE_KEYS and key not in arch.keys:
+    inert = []
+    for key, value in cfg.items():
+        if key in _SHAPE_KEYS or key in arch.keys:
+            continue
+        if not _is_metadata(key, value):
             raise ConfigError(
-                f"config field {key}={cfg[key]!r} is not implemented for model_type {model_type!r}"
+                f"config field {key}={value!r} is not implemented for model_type {model_type!r}"
             )
+        inert.append(key)
+    if new := sorted(set(inert) - _logged_inert):
+        _logged_inert.update(new)
+        logger.debug("config fields read as metadata (no effect on the computation): %s", ", ".join(new))
     layers = int(cfg["num_hidden_layers"])
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
@@ -156,6 +174,15 @@ def hf_config_to_model_config(cfg: dict[str, Any], gen: dict[str, Any]) -> Model
         local_rope_theta=local_rope,
         **global_rope,
     )
+
+
+def _is_metadata(key: str, value: Any) -> bool:
+    """Whether a config key leaves the forward pass unchanged: a known informational key, a
+    private one (`_name_or_path`, `_model_name_or_path`), a special token's id (`unk_token_id`:
+    the tokenizer owns them; bos/eos are read), or a switch at the value we compute."""
+    if key in _NEUTRAL:
+        return value == _NEUTRAL[key]
+    return key in _INERT or key.startswith("_") or key.endswith(("_token_id", "_token_ids"))
 
 
 def _cap(cfg: dict[str, Any], key: str) -> float | None:
