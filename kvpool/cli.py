@@ -8,6 +8,7 @@ import logging
 import sys
 
 from kvpool.commands.flag_help import FLAG_HELP
+from kvpool.commands.flag_hints import chosen_parser, unknown_flag_message
 from kvpool.errors import KVPoolError
 
 # subcommand -> (module providing add_arguments(parser) and main(args), help)
@@ -45,6 +46,22 @@ def _log_level(value: str) -> str:
     return value.upper()
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse without abbreviations, whose unknown flags are reported by the subcommand that
+    was given them, with the nearest known flag or the kvpool equivalent of a vLLM flag."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = chosen_parser(self, parsed)
+            chosen.error(unknown_flag_message(chosen, extras))
+        return parsed
+
+
 def _subparsers(parser: argparse.ArgumentParser):
     """Every parser below `parser`, depth first."""
     for action in parser._actions:
@@ -58,6 +75,7 @@ def _finish(parser: argparse.ArgumentParser) -> None:
     """Global flags accepted after any subcommand, help text for every flag, defaults shown."""
     for p in [parser, *_subparsers(parser)]:
         p.formatter_class = HelpFormatter
+        p.allow_abbrev = False  # `--enable-prefix-cachin` is a typo, not a flag
         for action in p._actions:
             if action.help is None and action.dest in FLAG_HELP:
                 action.help = FLAG_HELP[action.dest]
@@ -69,7 +87,7 @@ def _finish(parser: argparse.ArgumentParser) -> None:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI; with `only`, just that subcommand's module is imported (the others keep
     their name and help), so a bad flag fails before torch or a model is loaded."""
-    parser = argparse.ArgumentParser(prog="kvpool", description="A KV-cache-centric LLM serving system.")
+    parser = Parser(prog="kvpool", description="A KV-cache-centric LLM serving system.")
     parser.add_argument("--log-level", type=_log_level, default="INFO", help=f"logging level: {' | '.join(LOG_LEVELS)}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
@@ -93,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
     args = build_parser(command).parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level
+    if getattr(args, "quiet_by_default", False) and not args.verbose and "--log-level" not in argv:
+        level = "WARNING"  # an interactive command shows its prompt, not the engine's start-up
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "_missing", None):
         print(f"kvpool {args.command}: not available in this build ({args._missing} is missing)", file=sys.stderr)
         return 2

@@ -97,3 +97,51 @@ def test_help_shows_defaults(capsys):
     assert "tokens per KV block (default: 16)" in text
     assert "(default: lru)" in text
     assert "(default: 8000)" in text
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                yield from _parsers(sp)
+
+
+def test_no_parser_accepts_abbreviated_flags():
+    assert all(not p.allow_abbrev for p in _parsers(build_parser()))
+
+
+def _error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_an_abbreviated_or_misspelt_flag_names_the_flag_it_resembles(capsys):
+    assert _error(capsys, "serve", "--enable-prefix-cachin").endswith(
+        "unknown flag --enable-prefix-cachin: did you mean --enable-prefix-caching?")
+    assert "kvpool bench serve: error: unknown flag --num-prompt: did you mean --num-prompts?" == \
+        _error(capsys, "bench", "serve", "--num-prompt", "3")
+
+
+@pytest.mark.parametrize(("flag", "words"), [
+    ("--gpu-memory-utilization", "--kv-cache-memory FRACTION"),
+    ("--tensor-parallel-size", "tensor parallelism is not supported"),
+    ("--trust-remote-code", "no remote code"),
+])
+def test_a_vllm_flag_names_its_kvpool_equivalent_or_why_there_is_none(capsys, flag, words):
+    line = _error(capsys, "serve", flag, "2")
+    assert line.startswith(f"kvpool serve: error: unknown flag {flag}: ") and words in line
+    assert "unexpected argument" not in line  # the value belongs to the flag
+
+
+def test_chat_shows_no_info_lines_before_its_prompt_unless_verbose():
+    args = ["chat", "--dtype", "float32", "--num-blocks", "32", "--max-model-len", "256"]
+    quiet = subprocess.run([sys.executable, "-m", "kvpool.cli", *args], input="", capture_output=True, text=True,
+                           timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert " INFO " not in quiet.stderr and "kvpool chat" in quiet.stderr
+    verbose = subprocess.run([sys.executable, "-m", "kvpool.cli", *args, "-v"], input="", capture_output=True,
+                             text=True, timeout=300)
+    assert verbose.returncode == 0 and " INFO " in verbose.stderr

@@ -10,6 +10,9 @@ from kvpool.engine.config import add_engine_args, engine_config_from_args
 
 def add_arguments(p) -> None:
     p.add_argument("--system", default=None, help="a system prompt")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show the engine's INFO log lines (quiet by default: warnings and errors only)")
+    p.set_defaults(quiet_by_default=True)
     add_sampling_args(p)
     p.set_defaults(max_tokens=256)
     add_engine_args(p)
