@@ -9,8 +9,9 @@ default) generates `--output-len` greedy tokens. Every other KV dtype then
   over the generated positions (no divergence cascade, so one number per token).
 `--scales-study` adds simulated int8 / fp8 runs with per block-and-head scales (an oracle that
 requantizes a block from full precision at every write, i.e. the best any per-block scheme can
-do) beside per token-and-head ones, which is how kv_quant.py's choice was made. The store
-codecs (none | zstd | zstd-shuffle) are lossless: their rows would be the reference's own.
+do) beside per token-and-head ones, which is how kv_quant.py's choice was made. The lossless
+store codecs (none | zstd | zstd-shuffle) return the reference's own KV; `--store-codecs` scores
+the lossy ones (int8, int4, +zstd) on the serving path (kv_codec_accuracy.py).
 Prints a table, writes JSON and a PNG.
 """
 
@@ -26,12 +27,14 @@ from unittest import mock
 import numpy as np
 import torch
 
+from kvpool.bench.kv_codec_accuracy import CodecAccuracyRow, codec_rows, print_codec_rows
 from kvpool.engine.attention import paged_attention
 from kvpool.engine.config import add_engine_args, engine_config_from_args
 from kvpool.engine.engine import Engine
 from kvpool.engine.kv_quant import QUANTIZED, dequantize, quantize
 from kvpool.engine.loader import load_model
 from kvpool.sched.sampling_params import SamplingParams
+from kvpool.store.codec import get_codec
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +131,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3,int8", help="KV dtypes compared with the reference")
     p.add_argument("--scales-study", action="store_true",
                    help="also simulate int8 / fp8 with per block-and-head scales (an oracle)")
+    p.add_argument("--store-codecs", default="",
+                   help="comma list of store codecs (int8+zstd,int4+zstd,...): score a prefix that comes back "
+                   "from the disk tier through each, against the exact codec (kv_codec_accuracy.py)")
     p.add_argument("--json", default="kv_accuracy.json")
     p.add_argument("--png", default="kv_accuracy.png", help="write the agreement plot here")
     add_engine_args(p)
@@ -153,7 +159,10 @@ def main(args) -> int:
     starts = [len(p) for p in prompt_ids]
     ref_lp, ref_top = _teacher_forced(ref, seqs, starts)
     rows = [_row(base.dtype, "-", ref_tokens, ref_tokens, ref_lp, ref_lp, ref_top, ref_top, _bpt(ref))]
-    runs = [(kv, "per-token-head" if kv in QUANTIZED else "-", None) for kv in args.kv_dtypes.split(",")]
+    codecs = [c for c in args.store_codecs.split(",") if c]
+    for c in codecs:
+        get_codec(c, "--store-codecs")
+    runs = [(kv, "per-token-head" if kv in QUANTIZED else "-", None) for kv in args.kv_dtypes.split(",") if kv]
     if args.scales_study:
         runs += [(kv, "per-block-head", "per-block-head") for kv in QUANTIZED]
     for kv, scales, simulated in runs:
@@ -172,16 +181,21 @@ def main(args) -> int:
         rows.append(_row(kv, label, ref_tokens, tokens, ref_lp, lp, ref_top, top, None if simulated else _bpt(eng)))
         _write(args.json, loaded.name, base.dtype, n, ref_tokens, time.perf_counter() - start, rows)  # row by row
     _print(rows, len(PROMPTS), n, base.dtype)
-    _write(args.json, loaded.name, base.dtype, n, ref_tokens, time.perf_counter() - start, rows)
-    _plot(rows, args.png, base.dtype)
-    print(f"wrote {args.json} and {args.png}")
+    store_rows = codec_rows(base, loaded, codecs, prompt_ids, ref_tokens) if codecs else []
+    if store_rows:
+        print_codec_rows(store_rows, base.dtype)
+    _write(args.json, loaded.name, base.dtype, n, ref_tokens, time.perf_counter() - start, rows, store_rows)
+    if len(rows) > 1:
+        _plot(rows, args.png, base.dtype)
+    print(f"wrote {args.json}" + (f" and {args.png}" if len(rows) > 1 else ""))
     return 0
 
 
-def _write(path: str, model: str, dtype: str, n: int, ref_tokens, elapsed: float, rows: list[AccuracyRow]) -> None:
+def _write(path: str, model: str, dtype: str, n: int, ref_tokens, elapsed: float, rows: list[AccuracyRow],
+           store_rows: list[CodecAccuracyRow] = ()) -> None:
     report = {"model": model, "model_dtype": dtype, "prompts": len(PROMPTS), "output_len": n,
               "generated_tokens": sum(len(t) for t in ref_tokens), "elapsed_s": elapsed,
-              "rows": [asdict(r) for r in rows]}
+              "rows": [asdict(r) for r in rows], "store_codec_rows": [asdict(r) for r in store_rows]}
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
 

@@ -1,16 +1,21 @@
-"""The on-wire / on-disk format of one KV block: a fixed header plus the (encoded) tensor bytes.
+"""The on-wire / on-disk format of one KV block: a header, a per-layer table, the layers' bytes.
 
 A block is all layers' K and V for `block_size` tokens, `[num_layers, 2, block_size,
-num_kv_heads, head_dim]` contiguous (a layer-grouped model's: one group's layers), stored as ONE value so a reader never sees half a block.
-The header names the namespace (model + dtype + layout) so two models never read each
-other's KV, and the block's own identity (its chained hash), so a value stored under another
-block's key (files swapped on disk, values swapped in a pool) is refused, not served. It names
-the payload codec (codec.py), so a reader decodes whatever the writer chose, and carries a
-CRC32 over the header and the *decoded* bytes, which catches truncation, bit flips and a
-corrupted compressed stream alike. Values come from shared pools written by other processes,
-so decoding never unpickles anything and never allocates more than one block's bytes.
+num_kv_heads, head_dim]` contiguous (a layer-grouped model's: one group's layers), stored as ONE
+value so a reader never sees half a block. The header names the namespace (model + dtype +
+layout) so two models never read each other's KV, and the block's own identity (its chained
+hash), so a value stored under another block's key (files swapped on disk, values swapped in a
+pool) is refused, not served. It names the payload codec (codec.py), so a reader decodes
+whatever the writer chose and knows whether the block is exact or quantized: a reader asks for
+one scheme (exact, or int8 / int4) and refuses a block of another, so lossy KV is never taken for
+exact KV. Each layer is its own chunk, with its stored length and a CRC32 of its stored bytes in
+the table; a header CRC covers the header, the names and the table. So a reader can check (and
+decode) layer l without touching layer l+1, and truncation, bit flips and corrupted compressed
+streams are caught before anything is decoded. Values come from shared pools written by other
+processes, so decoding never unpickles anything and never allocates more than one block.
 
-Version 2 added the identity and the codec; a version-1 block is unreadable (a miss).
+Version 3 added the per-layer table; version 2 (one CRC over the whole decoded payload) and 1
+blocks are unreadable (a miss, reason `version`); the version is also in the store's keys.
 """
 
 from __future__ import annotations
@@ -18,17 +23,20 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvpool.errors import KVPoolError
-from kvpool.store.codec import BY_ID, CodecError, get_codec
+from kvpool.store.codec import BY_ID, Codec, CodecError, get_codec, scheme
+from kvpool.store.quant import Unquantizable
 
 MAGIC = b"KVPB"
-FORMAT_VERSION = 2
-# magic, version, codec id, ndim, dtype length, identity length, namespace length,
-# stored payload length, decoded payload length, crc32
-_FIXED = struct.Struct("<4sHBBBBHQQI")
+FORMAT_VERSION = 3
+# magic, version, codec id, ndim, dtype length, identity length, namespace length, chunks,
+# stored payload length, decoded payload length, header crc32
+_FIXED = struct.Struct("<4sHBBBBHHQQI")
+_CHUNK = struct.Struct("<II")  # stored length, crc32 of the stored bytes
 _CRC_OFFSET = _FIXED.size - 4
 _MAX_NDIM = 8
 
@@ -37,7 +45,7 @@ class CorruptBlock(KVPoolError):
     """A stored block is unreadable, or is another block's / model's; treat it as a miss.
 
     `reason` is a short fixed word (for metrics): short, magic, version, length, namespace,
-    identity, shape, dtype, codec, checksum."""
+    identity, shape, dtype, codec, lossy, checksum."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -59,37 +67,52 @@ def block_shape(num_layers: int, block_size: int, num_kv_heads: int, head_dim: i
     return (num_layers, 2, block_size, num_kv_heads, head_dim)
 
 
+def _chunks(shape: Sequence[int]) -> int:
+    """Chunks of a block: one per layer (first axis); an array of under 2 dimensions is one."""
+    return shape[0] if len(shape) >= 2 else 1
+
+
 def max_encoded_size(namespace: str, block_id: bytes, shape: tuple[int, ...], dtype: np.dtype | str) -> int:
-    """Largest value `encode_block` writes for such a block (a codec never grows a payload)."""
+    """Largest value `encode_block` writes for such a block (a stored block is never larger
+    than its raw bytes: a codec that would grow it is not used)."""
     dt = np.dtype(dtype)
     raw = dt.itemsize * int(np.prod(shape, dtype=np.int64))
-    return _FIXED.size + 8 * len(shape) + len(dt.str) + len(block_id) + len(namespace.encode()) + raw
-
-
-def _crc(header_without_crc: bytes | memoryview, variable: bytes | memoryview, payload: bytes | memoryview) -> int:
-    return zlib.crc32(payload, zlib.crc32(variable, zlib.crc32(header_without_crc)))
+    return (_FIXED.size + 8 * len(shape) + len(dt.str) + len(block_id) + len(namespace.encode())
+            + _CHUNK.size * _chunks(shape) + raw)
 
 
 def encode_block(namespace: str, block_id: bytes, array: np.ndarray, codec: str = "none") -> bytes:
-    """Header + bytes of `array` (made C-contiguous) packed with `codec`; a payload the codec
-    would not shrink is stored raw (codec "none"). bfloat16 travels as its uint16 view."""
+    """Header + table + each layer of `array` (made C-contiguous) packed with `codec`. A
+    lossless codec that would not shrink the payload gives way to "none"; a lossy one that
+    cannot carry the values (inf, NaN) too, and a lossy one whose entropy stage does not shrink
+    gives way to its bare quantizer. bfloat16 travels as its uint16 view."""
     arr = np.ascontiguousarray(array)
     if arr.ndim > _MAX_NDIM:
         raise ValueError(f"block has {arr.ndim} dimensions; at most {_MAX_NDIM} are supported")
     if len(block_id) > 255:
         raise ValueError(f"block identity is {len(block_id)} bytes; at most 255 are supported")
+    layers = arr if arr.ndim >= 2 else arr.reshape(1, -1)
+    chosen = get_codec(codec)
+    raw = arr.nbytes
+    try:
+        stored = chosen.encode(layers) if chosen.id else None
+    except Unquantizable:
+        stored = None
+    if stored is not None and chosen.quant is not None and chosen.entropy != "none" \
+            and sum(map(len, stored)) >= len(layers) * chosen.plain_size(layers.shape[1:], 1):
+        chosen = get_codec(chosen.quant.name)
+        stored = chosen.encode(layers)
+    if stored is None or (chosen.quant is None and sum(map(len, stored)) >= raw):
+        chosen = get_codec("none")
+        stored = chosen.encode(layers)
     dtype = arr.dtype.str.encode()
     ns = namespace.encode()
-    raw = memoryview(arr).cast("B")
-    chosen = get_codec(codec)
-    stored: bytes | memoryview = chosen.encode(raw, arr.itemsize) if chosen.id else raw
-    if len(stored) >= len(raw):
-        chosen, stored = get_codec("none"), raw
-    variable = struct.pack(f"<{arr.ndim}Q", *arr.shape) + dtype + block_id + ns
+    table = b"".join(_CHUNK.pack(len(c), zlib.crc32(c)) for c in stored)
+    variable = struct.pack(f"<{arr.ndim}Q", *arr.shape) + dtype + block_id + ns + table
     head = _FIXED.pack(MAGIC, FORMAT_VERSION, chosen.id, arr.ndim, len(dtype), len(block_id), len(ns),
-                       len(stored), arr.nbytes, 0)
-    crc = _crc(head[:_CRC_OFFSET], variable, raw)
-    return b"".join((head[:_CRC_OFFSET], struct.pack("<I", crc), variable, stored))
+                       len(stored), sum(map(len, stored)), raw, 0)
+    crc = zlib.crc32(variable, zlib.crc32(head[:_CRC_OFFSET]))
+    return b"".join((head[:_CRC_OFFSET], struct.pack("<I", crc), variable, *stored))
 
 
 def block_codec_id(data: bytes | memoryview) -> int | None:
@@ -101,32 +124,104 @@ def block_codec_id(data: bytes | memoryview) -> int | None:
     return codec_id if magic == MAGIC and version == FORMAT_VERSION else None
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedBlock:
+    """A value whose header and every layer's CRC passed, not yet decoded: a reader can decode
+    one layer at a time (`block[l]`, layer l of `[layers, ...]`). `deferrable`: decoding cannot
+    fail any more (no entropy stage; every size checked), so it may run where a failure could
+    not be turned into a miss (under a forward pass)."""
+
+    codec: Codec
+    chunks: tuple[memoryview, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    payload: memoryview  # every layer's stored bytes, back to back
+
+    @property
+    def deferrable(self) -> bool:
+        return self.codec.entropy == "none"
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def layer(self, i: int) -> np.ndarray:
+        layer = self.shape[1:]
+        if self.codec.id == 0:
+            return np.frombuffer(self.chunks[i], dtype=self.dtype).reshape(layer)
+        return self._decode([self.chunks[i]], (1, *layer))[0]
+
+    def __getitem__(self, key):
+        if isinstance(key, int) and len(self.shape) >= 2:
+            return self.layer(key)
+        if isinstance(key, tuple) and key and isinstance(key[0], int) and len(self.shape) >= 2:
+            return self.layer(key[0])[key[1:]]
+        return self.array()[key]
+
+    def array(self) -> np.ndarray:
+        """The whole block (read-only; a view over the value when stored raw)."""
+        if self.codec.id == 0:
+            return np.frombuffer(self.payload, dtype=self.dtype).reshape(self.shape)
+        layers = (self.shape[0], *self.shape[1:]) if len(self.shape) >= 2 else (1, int(np.prod(self.shape)))
+        return self._decode(list(self.chunks), layers).reshape(self.shape)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self.array()
+        return out if dtype is None else out.astype(dtype)
+
+    def _decode(self, chunks: list[memoryview], layers: tuple[int, ...]) -> np.ndarray:
+        try:
+            return self.codec.decode(chunks, layers, self.dtype)
+        except (CodecError, ImportError, ValueError) as exc:
+            raise CorruptBlock("codec", f"{self.codec.name} payload does not decode: {exc}") from exc
+
+
 def decode_block(
     data: bytes | memoryview,
     expected_namespace: str,
     expected_shape: tuple[int, ...],
     expected_dtype: np.dtype | str,
     expected_id: bytes,
+    accept: str = "exact",
 ) -> np.ndarray:
     """The block's array (read-only; a view over `data` when stored raw); CorruptBlock if
-    anything is off, including a header that names another block than `expected_id`."""
+    anything is off, including a header that names another block than `expected_id`, or a
+    block of another scheme than `accept` ("exact", or a lossy tier's "int8" / "int4"; an exact
+    block is good for every reader)."""
+    return check_block(data, expected_namespace, expected_shape, expected_dtype, expected_id, accept).array()
+
+
+def check_block(
+    data: bytes | memoryview,
+    expected_namespace: str,
+    expected_shape: tuple[int, ...],
+    expected_dtype: np.dtype | str,
+    expected_id: bytes,
+    accept: str = "exact",
+) -> CheckedBlock:
+    """Every check of `decode_block` (header, names, each layer's length and CRC), no decoding."""
     view = memoryview(data)
     if len(view) < _FIXED.size:
         raise CorruptBlock("short", f"block is {len(view)} bytes, shorter than the {_FIXED.size}-byte header")
-    magic, version, codec_id, ndim, dtype_len, id_len, ns_len, stored_len, raw_len, crc = _FIXED.unpack_from(view)
+    magic, version, codec_id, ndim, dtype_len, id_len, ns_len, nchunks, stored_len, raw_len, crc = \
+        _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise CorruptBlock("magic", f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise CorruptBlock("version", f"format version {version}, this reader knows {FORMAT_VERSION}")
-    var_len = 8 * ndim + dtype_len + id_len + ns_len
+    var_len = 8 * ndim + dtype_len + id_len + ns_len + _CHUNK.size * nchunks
     if len(view) != _FIXED.size + var_len + stored_len:
         raise CorruptBlock("length", f"block is {len(view)} bytes, header says {_FIXED.size + var_len + stored_len}")
     variable = view[_FIXED.size : _FIXED.size + var_len]
+    if zlib.crc32(variable, zlib.crc32(view[:_CRC_OFFSET])) != crc:
+        raise CorruptBlock("checksum", "header checksum mismatch")
     shape = struct.unpack_from(f"<{ndim}Q", variable)
     at = 8 * ndim
     dtype_str = bytes(variable[at : at + dtype_len]).decode("ascii", "replace")
-    block_id = bytes(variable[at + dtype_len : at + dtype_len + id_len])
-    namespace = bytes(variable[at + dtype_len + id_len :]).decode("utf-8", "replace")
+    at += dtype_len
+    block_id = bytes(variable[at : at + id_len])
+    at += id_len
+    namespace = bytes(variable[at : at + ns_len]).decode("utf-8", "replace")
+    at += ns_len
     if namespace != expected_namespace:
         raise CorruptBlock("namespace", f"namespace {namespace!r}, expected {expected_namespace!r}")
     if block_id != expected_id:
@@ -136,18 +231,29 @@ def decode_block(
     dtype = np.dtype(expected_dtype)
     if dtype_str != dtype.str:
         raise CorruptBlock("dtype", f"dtype {dtype_str!r}, expected {dtype.str!r}")
-    if raw_len != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
-        raise CorruptBlock("length", f"payload is {raw_len} bytes, shape {tuple(shape)} needs more or less")
+    if raw_len != dtype.itemsize * int(np.prod(shape, dtype=np.int64)) or nchunks != _chunks(shape):
+        raise CorruptBlock("length", f"payload is {raw_len} bytes in {nchunks} chunks, shape {tuple(shape)} "
+                           "needs other")
     codec = BY_ID.get(codec_id)
     if codec is None:
         raise CorruptBlock("codec", f"unknown codec id {codec_id}")
-    if codec.id == 0 and stored_len != raw_len:
-        raise CorruptBlock("length", f"raw payload is {stored_len} bytes, header names {raw_len}")
-    stored = view[_FIXED.size + var_len :]
-    try:
-        payload = codec.decode(stored, raw_len, dtype.itemsize) if codec.id else stored
-    except (CodecError, ImportError) as exc:
-        raise CorruptBlock("codec", f"{codec.name} payload does not decode: {exc}") from exc
-    if _crc(view[:_CRC_OFFSET], variable, payload) != crc:
-        raise CorruptBlock("checksum", "checksum mismatch")
-    return np.frombuffer(payload, dtype=dtype).reshape(shape)
+    if codec.quant is not None and scheme(codec) != accept:
+        raise CorruptBlock("lossy", f"a {codec.name} block (quantized KV); this reader takes {accept} KV")
+    chunks = []
+    pos = _FIXED.size + var_len
+    layer_shape = tuple(shape[1:]) if ndim >= 2 else (int(np.prod(shape, dtype=np.int64)),)
+    plain = codec.plain_size(layer_shape, dtype.itemsize) if codec.entropy == "none" else None
+    for i in range(nchunks):
+        length, chunk_crc = _CHUNK.unpack_from(variable, at + i * _CHUNK.size)
+        chunk = view[pos : pos + length]
+        pos += length
+        if len(chunk) != length:
+            raise CorruptBlock("length", f"layer {i} overruns the payload")
+        if plain is not None and length != plain:
+            raise CorruptBlock("length", f"layer {i} is {length} bytes, {codec.name} needs {plain}")
+        if zlib.crc32(chunk) != chunk_crc:
+            raise CorruptBlock("checksum", f"layer {i} checksum mismatch")
+        chunks.append(chunk)
+    if pos != len(view):
+        raise CorruptBlock("length", f"layers hold {pos - _FIXED.size - var_len} bytes, header names {stored_len}")
+    return CheckedBlock(codec, tuple(chunks), tuple(shape), dtype, view[_FIXED.size + var_len :])

@@ -5,6 +5,10 @@ of blocks present from its first block, each block from whichever tier has it. L
 promote blocks into the first tier. Write-through saves to every tier; write-back saves
 to the first tier only and each tier demotes its evicted blocks to the next one. Each tier
 may pack blocks with its own codec (codec.py); a block moving between tiers is re-packed.
+A tier with a lossy codec (int8 / int4) keeps its blocks under keys of their own
+(`kv3:<ns>:int4:<hash>`) and its reads accept only that quantization (or exact blocks), and a
+quantized block never moves into a tier of another scheme: exact KV is never mixed with an
+approximation of it, in one server or between servers sharing a pool.
 
 Nothing a tier holds can break a request: `lookup` and `load` never raise. A value that
 fails to decode (truncated, bit-flipped, another model's, another block's, an old format)
@@ -22,13 +26,15 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 
 from kvpool.core.hashing import BlockHash
-from kvpool.core.kv_manager import GROUP_TAG_BYTES
+from kvpool.core.kv_groups import GROUP_TAG_BYTES
 from kvpool.errors import ConfigError
-from kvpool.store.codec import get_codec
+from kvpool.store.codec import BY_ID, get_codec, scheme
 from kvpool.store.format import (
     FORMAT_VERSION,
+    CheckedBlock,
     CorruptBlock,
     block_codec_id,
+    check_block,
     decode_block,
     encode_block,
     max_encoded_size,
@@ -48,7 +54,8 @@ def namespace_id(namespace: str) -> str:
 class TieredKVStore:
     """Blocks of one namespace (model, dtype, layout) across `tiers`, fastest first.
 
-    `codecs` maps tier names to codec names (codec.CODECS); unnamed tiers store raw bytes."""
+    `codecs` maps tier names to codec names (codec.CODECS); unnamed tiers store raw bytes. A
+    lossy codec needs float blocks `[layers, 2, block_size, heads, head_dim]`."""
 
     def __init__(
         self,
@@ -74,6 +81,15 @@ class TieredKVStore:
         if unknown:
             raise ConfigError(f"codec given for tiers {unknown}, which this store does not have ({names})")
         self.codecs = {name: get_codec(codecs.get(name, "none"), f"{name} tier codec").name for name in names}
+        for name, codec in self.codecs.items():
+            quant = get_codec(codec).quant
+            if quant is not None:
+                try:
+                    quant.check_shape(tuple(block_shape), dtype)
+                except ConfigError as exc:
+                    raise ConfigError(f"{name} tier codec {codec!r}: {exc}") from None
+        self._scheme = {name: scheme(get_codec(codec)) for name, codec in self.codecs.items()}
+        self.lossy_loads: dict[str, int] = dict.fromkeys(names, 0)  # blocks served quantized, per tier
         self.tiers = list(tiers)
         self.namespace = namespace
         self.block_shape = tuple(block_shape)
@@ -95,18 +111,20 @@ class TieredKVStore:
                 if hasattr(upper, "on_evict"):
                     upper.on_evict = self._demoter(lower)
 
-    def key(self, block_hash: BlockHash) -> StoreKey:
-        """The namespaced key of a block in every tier."""
-        return self._prefix + block_hash.hex()
+    def key(self, block_hash: BlockHash, tier: str | None = None) -> StoreKey:
+        """The namespaced key of a block in `tier` (default: in the exact tiers); a lossy
+        tier's keys name its quantization."""
+        quant = self._scheme[tier] if tier is not None else "exact"
+        return self._prefix + ("" if quant == "exact" else quant + ":") + block_hash.hex()
 
     def lookup(self, hashes: Sequence[BlockHash]) -> tuple[int, list[str]]:
         """Longest run of present blocks from the first, and the fastest tier holding each."""
-        keys = [self.key(h) for h in hashes]
+        keys = {t.name: [self.key(h, t.name) for h in hashes] for t in self.tiers}
         where: list[str] = []
         pos = 0
-        while pos < len(keys):
+        while pos < len(hashes):
             for tier in self.tiers:
-                run = self._guard(tier, "lookup", tier.lookup, keys[pos:]) or 0
+                run = self._guard(tier, "lookup", tier.lookup, keys[tier.name][pos:]) or 0
                 if run:
                     where.extend([tier.name] * run)
                     pos += run
@@ -115,36 +133,43 @@ class TieredKVStore:
                 break
         return pos, where
 
-    def load(self, hashes: Sequence[BlockHash]) -> list[np.ndarray]:
+    def load(self, hashes: Sequence[BlockHash], deferred: bool = False) -> list[np.ndarray | CheckedBlock]:
         """Blocks of the longest loadable prefix of `hashes` (stops at the first miss).
 
         Each array has `block_shape` and `dtype` and is read-only; copy it into the KV cache.
+        `deferred`: a block whose decoding cannot fail once checked comes back checked but not
+        decoded (`CheckedBlock`: `block[l]` decodes layer l), for a reader that decodes layer by
+        layer later (the layer-wise load, under the forward).
         """
-        out: list[np.ndarray] = []
+        out: list[np.ndarray | CheckedBlock] = []
         for h in hashes:
-            block = self._load_one(h)
+            block = self._load_one(h, deferred)
             if block is None:
                 break
             out.append(block)
         return out
 
-    def _load_one(self, block_hash: BlockHash) -> np.ndarray | None:
-        key = self.key(block_hash)
+    def _load_one(self, block_hash: BlockHash, deferred: bool = False) -> np.ndarray | CheckedBlock | None:
         for i, tier in enumerate(self.tiers):
+            key = self.key(block_hash, tier.name)
             data = self._guard(tier, "get", tier.get, key)
             if data is None:
                 continue
             try:
-                block = decode_block(data, self.namespace, self.block_shape, self.dtype, block_hash)
+                checked = check_block(data, self.namespace, self.block_shape, self.dtype, block_hash,
+                                      self._scheme[tier.name])
+                block = checked if deferred and checked.deferrable else checked.array()
             except CorruptBlock as exc:
                 log.warning("tier %s: dropping unreadable block %s (%s): %s", tier.name, key, exc.reason, exc)
                 bad = self._bad[tier.name]
                 bad[exc.reason] = bad.get(exc.reason, 0) + 1
                 self._guard(tier, "delete", tier.delete, key)
                 continue
+            quant = _data_scheme(data)
+            if quant != "exact":
+                self.lossy_loads[tier.name] += 1
             if i > 0:
-                top = self.tiers[0]
-                self._guard(top, "put", top.put, key, self._pack(top, block_hash, block, data))
+                self._move(self.tiers[0], block_hash, block, data)
             return block
         return None
 
@@ -154,7 +179,6 @@ class TieredKVStore:
             raise ConfigError(
                 f"block is {block.shape} {block.dtype}, this store holds {self.block_shape} {self.dtype}"
             )
-        key = self.key(block_hash)
         targets = self.tiers[:1] if self.write_policy == "write-back" else self.tiers
         encoded: dict[str, bytes] = {}
         stored = False
@@ -162,7 +186,7 @@ class TieredKVStore:
             codec = self.codecs[tier.name]
             if codec not in encoded:
                 encoded[codec] = encode_block(self.namespace, block_hash, block, codec)
-            stored |= bool(self._guard(tier, "put", tier.put, key, encoded[codec]))
+            stored |= bool(self._guard(tier, "put", tier.put, self.key(block_hash, tier.name), encoded[codec]))
         return stored
 
     def save_async(self, block_hash: BlockHash, block: np.ndarray) -> Future[bool]:
@@ -172,9 +196,9 @@ class TieredKVStore:
         future.add_done_callback(self._pending.discard)
         return future
 
-    def load_async(self, hashes: Sequence[BlockHash]) -> Future[list[np.ndarray]]:
+    def load_async(self, hashes: Sequence[BlockHash], deferred: bool = False) -> Future[list]:
         """`load` on a worker thread, to overlap the read with compute."""
-        return self._pool.submit(self.load, list(hashes))
+        return self._pool.submit(self.load, list(hashes), deferred)
 
     def flush(self) -> None:
         """Wait until every save queued so far has finished."""
@@ -187,6 +211,7 @@ class TieredKVStore:
         out = {}
         for tier in self.tiers:
             snap = tier.stats()
+            snap.lossy_loads = self.lossy_loads[tier.name]
             for reason, n in self._bad[tier.name].items():
                 snap.bad_entries[reason] = snap.bad_entries.get(reason, 0) + n
             snap.errors += self._raised[tier.name]
@@ -200,27 +225,35 @@ class TieredKVStore:
             tier.close()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _pack(self, tier: Tier, block_hash: BlockHash, block: np.ndarray, data: bytes) -> bytes:
-        """`data` (a valid encoding of `block`) as `tier` stores it: re-packed if its codec differs."""
-        if block_codec_id(data) == get_codec(self.codecs[tier.name]).id:
-            return data
-        return encode_block(self.namespace, block_hash, block, self.codecs[tier.name])
+    def _move(self, tier: Tier, block_hash: BlockHash, block: np.ndarray | CheckedBlock, data: bytes) -> None:
+        """Put `data` (a valid encoding of `block`) into `tier`: as it is if that is the tier's
+        codec, re-packed from exact KV, never from quantized KV (which would be laundered into
+        an exact tier, or quantized twice)."""
+        codec = self.codecs[tier.name]
+        if block_codec_id(data) == get_codec(codec).id:
+            packed = data
+        elif _data_scheme(data) == "exact":
+            packed = encode_block(self.namespace, block_hash, block, codec)
+        else:
+            return
+        self._guard(tier, "put", tier.put, self.key(block_hash, tier.name), packed)
 
     def _demoter(self, lower: Tier) -> Callable[[StoreKey, bytes], None]:
         """Write-back demotion: an evicted block moves one tier down (re-packed for it; a block
         that does not decode is not worth moving)."""
 
         def demote(key: StoreKey, data: bytes) -> None:
-            if block_codec_id(data) == get_codec(self.codecs[lower.name]).id:  # no re-packing: as it is
-                self._guard(lower, "put", lower.put, key, data)
-                return
             try:
-                block_hash = bytes.fromhex(key[len(self._prefix):])
-                block = decode_block(data, self.namespace, self.block_shape, self.dtype, block_hash)
+                block_hash = bytes.fromhex(key.rsplit(":", 1)[-1])
+                if block_codec_id(data) == get_codec(self.codecs[lower.name]).id:  # as it is: no decoding
+                    self._guard(lower, "put", lower.put, self.key(block_hash, lower.name), data)
+                    return
+                block = decode_block(data, self.namespace, self.block_shape, self.dtype, block_hash,
+                                     _data_scheme(data))
             except (ValueError, CorruptBlock) as exc:
                 log.warning("tier %s: not demoting unreadable block %s: %s", lower.name, key, exc)
                 return
-            self._guard(lower, "put", lower.put, key, self._pack(lower, block_hash, block, data))
+            self._move(lower, block_hash, block, data)
 
         return demote
 
@@ -234,3 +267,9 @@ class TieredKVStore:
                         type(exc).__name__, exc)
             self._raised[tier.name] += 1
             return None
+
+
+def _data_scheme(data: bytes | memoryview) -> str:
+    """"exact" or the quantization of a current-format value (one that decoded)."""
+    codec = BY_ID.get(block_codec_id(data) or 0)
+    return "exact" if codec is None else scheme(codec)

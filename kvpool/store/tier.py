@@ -35,6 +35,7 @@ class TierStats:
     failed_puts: int = 0
     evictions: int = 0
     errors: int = 0
+    lossy_loads: int = 0  # blocks served quantized (a lossy codec's), counted by the store
     load_time_s: float = 0.0
     load_count: int = 0
     store_time_s: float = 0.0

@@ -1,8 +1,10 @@
 """Block shapes and data shared by the store tests."""
 
 import importlib.util
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -18,6 +20,17 @@ NAMESPACE = block_namespace("test-model", "float16", 4, 2, 2, 8)
 
 def make_block(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(SHAPE).astype(DTYPE)
+
+
+def version_2_block(block: np.ndarray, block_id: bytes, namespace: str = NAMESPACE) -> bytes:
+    """A block as format 2 wrote it: one CRC over the header and the whole raw payload."""
+    fixed = struct.Struct("<4sHBBBBHQQI")
+    ns = namespace.encode()
+    variable = struct.pack(f"<{block.ndim}Q", *block.shape) + block.dtype.str.encode() + block_id + ns
+    head = fixed.pack(b"KVPB", 2, 0, block.ndim, len(block.dtype.str), len(block_id), len(ns), block.nbytes,
+                      block.nbytes, 0)[:-4]
+    crc = zlib.crc32(block.tobytes(), zlib.crc32(variable, zlib.crc32(head)))
+    return head + struct.pack("<I", crc) + variable + block.tobytes()
 
 
 def _have(binary: str) -> bool:
