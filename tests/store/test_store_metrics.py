@@ -25,3 +25,17 @@ def test_bad_entries_are_exported_by_tier_and_reason(tmp_path):
     registry.register(KVStoreCollector(engine, "m"))
     text = generate_latest(registry).decode()
     assert 'kvpool:kv_store_bad_entries_total{model_name="m",reason="checksum",tier="disk"} 1.0' in text
+
+
+def test_blocks_served_through_a_lossy_codec_are_exported_by_tier(tmp_path):
+    import numpy as np
+
+    shape = (2, 2, 4, 2, 8)
+    store = TieredKVStore([DiskTier(tmp_path, 10**6)], NAMESPACE, shape, np.float32, codecs={"disk": "int8"})
+    for i in range(2):
+        store.save(HASHES[i], np.random.default_rng(i).standard_normal(shape).astype(np.float32))
+    assert len(store.load(HASHES[:2])) == 2
+    engine = SimpleNamespace(kv_store=SimpleNamespace(store=store), scheduler=SimpleNamespace(num_external_hit_tokens=8))
+    registry = CollectorRegistry()
+    registry.register(KVStoreCollector(engine, "m"))
+    assert 'kvpool:kv_store_lossy_loads_total{model_name="m",tier="disk"} 2.0' in generate_latest(registry).decode()
