@@ -60,6 +60,7 @@ class KVStoreCollector:
         ("bytes_written", "bytes_stored", "Bytes stored to the tier."),
         ("failed_puts", "failed_stores", "Stores the tier refused or failed (full, down)."),
         ("errors", "errors", "Tier errors (unreachable pool, I/O errors)."),
+        ("lossy_loads", "lossy_loads", "Blocks served quantized by the tier's lossy codec (int8 / int4)."),
         ("load_time_s", "load_seconds", "Time spent loading from the tier."),
         ("load_count", "loads", "Loads from the tier."),
         ("store_time_s", "store_seconds", "Time spent storing to the tier."),
