@@ -23,6 +23,7 @@ from kvpool.serve.gate import (
     KeyGate,
     QuietDisconnect,
 )
+from kvpool.serve.http_metrics import HTTPMetricsMiddleware
 from kvpool.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -138,4 +139,5 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
     open_paths = OPEN_ROUTES | {"/metrics"} if keys.metrics_open else OPEN_ROUTES
     app.add_middleware(KeyGate, keys=keys, open_paths=open_paths)  # before the body: none read without a key
     app.add_middleware(QuietDisconnect)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=state.engine.metrics.http)  # outermost: counts refusals too
     return app

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpool.engine.outputs import RequestOutput
+from kvpool.serve.http_metrics import HTTPMetrics, add_process_collectors
 
 # vLLM's buckets, so its dashboards' quantiles mean the same here
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -26,6 +27,17 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+_PREEMPTION_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100)
+
+
+def _host_tier_usage(engine) -> float:
+    """Used fraction of the tiered store's host tier, the CPU cache vLLM's dashboard plots."""
+    connector = engine.kv_store
+    tiers = connector.store.tiers if connector is not None else ()
+    host = next((t.stats() for t in tiers if t.name == "host"), None)  # in-process counters: cheap
+    return host.used_bytes / host.capacity_bytes if host is not None and host.capacity_bytes else 0.0
 
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
@@ -48,6 +60,7 @@ class EngineTotals:
     preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    external_hits: int = 0  # prompt tokens loaded from the tiered store (a high-water mark)
 
 
 class KVStoreCollector:
@@ -139,6 +152,9 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS)
         self._add_request_metrics(histogram, counter, max_model_len)
+        self._add_vllm_extras(gauge, counter, histogram, max_model_len)
+        add_process_collectors(r)
+        self.http = HTTPMetrics(r)
         self._waiting_by_reason = Gauge(
             f"{prefix}:num_requests_waiting_by_reason",
             "Waiting requests by why they wait: capacity (KV blocks or batch slots) or deferred (KV still loading).",
@@ -171,6 +187,30 @@ class ServerMetrics:
         self.prompt_tokens_cached = counter(
             "prompt_tokens_cached", "Prompt tokens of finished requests whose KV was reused (prefix cache or store).")
 
+    def _add_vllm_extras(self, gauge, counter, histogram, max_model_len: int) -> None:
+        """vLLM's external-cache and by-source counters, per-request preemptions and computed
+        prefill tokens, and the older names vLLM's example Grafana dashboard still plots."""
+        r, prefix = self.registry, self.prefix
+        self.external_queries = counter(
+            "external_prefix_cache_queries", "Prompt tokens of requests admitted with the tiered KV store to look in.")
+        self.external_hits = counter("external_prefix_cache_hits", "Prompt tokens loaded from the tiered KV store.")
+        self._by_source = Counter(f"{prefix}:prompt_tokens_by_source", "Prompt tokens by where their KV came from: "
+                                  "local_compute, local_cache_hit (device prefix cache), external_kv_transfer (store).",
+                                  ["model_name", "source"], registry=r)
+        self._cached_by_source = Counter(f"{prefix}:prompt_tokens_cached_by_source", "Prompt tokens whose KV was "
+                                         "reused, by source: local_cache_hit, external_kv_transfer.",
+                                         ["model_name", "source"], registry=r)
+        self.request_preemptions = histogram("request_num_preemptions", "Times a finished request was preempted.",
+                                             _PREEMPTION_BUCKETS)
+        self.request_kv_computed = histogram(
+            "request_prefill_kv_computed_tokens", "Prompt tokens of a finished request whose KV was computed "
+            "(not reused from a cache).", buckets_1_2_5(max_model_len))
+        self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "vLLM's older name of kv_cache_usage_perc.")
+        self.cpu_cache_usage = gauge("cpu_cache_usage_perc", "Fraction of the host KV tier in use (0 without one).")
+        self.tpot_old = histogram("time_per_output_token_seconds", "vLLM's older name of inter_token_latency_seconds.",
+                                  _TOKEN_BUCKETS)
+        self._preempted: dict[str, int] = {}  # live request id -> preemptions, rebuilt every update
+
     @classmethod
     def for_engine(cls, engine, model_name: str, prefix: str = "kvpool") -> ServerMetrics:
         """Metrics sized for the engine (token-count buckets up to its context), with its cache
@@ -202,13 +242,19 @@ class ServerMetrics:
         self._waiting_by_reason.labels(self._model, "deferred").set(deferred)
         self.swapped.set(len(sched.swapped))
         self.kv_usage.set(usage.usage)
+        self.gpu_cache_usage.set(usage.usage)
+        self.cpu_cache_usage.set(_host_tier_usage(engine))
+        self._preempted = {g.request_id: g.num_preemptions
+                           for queue in (sched.running, sched.waiting, sched.swapped) for g in queue
+                           if getattr(g, "num_preemptions", 0)}
         self.blocks_total.set(usage.total_blocks)
         self.blocks_free.set(usage.free_blocks)
         self.blocks_cached.set(usage.cached_blocks)
         stats = sched.kv.stats
-        now = EngineTotals(engine.num_prompt_tokens, engine.num_generated_tokens, sched.num_preemptions,
-                           stats.queries_tokens, stats.hits_tokens)
         last = self._last
+        now = EngineTotals(engine.num_prompt_tokens, engine.num_generated_tokens, sched.num_preemptions,
+                           stats.queries_tokens, stats.hits_tokens,
+                           max(last.external_hits, sched.num_external_hit_tokens))
         step_prompt = max(0, now.prompt_tokens - last.prompt_tokens)
         step_generated = max(0, now.generation_tokens - last.generation_tokens)
         if step_prompt + step_generated:  # one engine step per loop turn at most
@@ -218,7 +264,22 @@ class ServerMetrics:
         self.preemptions.inc(max(0, now.preemptions - last.preemptions))
         self.prefix_queries.inc(max(0, now.prefix_queries - last.prefix_queries))
         self.prefix_hits.inc(max(0, now.prefix_hits - last.prefix_hits))
+        self._count_sources(engine, last, now)
         self._last = now
+
+    def _count_sources(self, engine, last: EngineTotals, now: EngineTotals) -> None:
+        """Split the prompt tokens looked up since the last update by where their KV came from."""
+        queried = max(0, now.prefix_queries - last.prefix_queries)
+        local = max(0, now.prefix_hits - last.prefix_hits)
+        external = now.external_hits - last.external_hits
+        if engine.kv_store is not None:
+            self.external_queries.inc(queried)
+        self.external_hits.inc(external)
+        for source, n in (("local_compute", max(0, queried - local - external)), ("local_cache_hit", local),
+                          ("external_kv_transfer", external)):
+            self._by_source.labels(self._model, source).inc(n)
+        self._cached_by_source.labels(self._model, "local_cache_hit").inc(local)
+        self._cached_by_source.labels(self._model, "external_kv_transfer").inc(external)
 
     def observe_finished(self, out: RequestOutput) -> None:
         """A finished request's latencies, sizes and parameters."""
@@ -232,6 +293,9 @@ class ServerMetrics:
         times = m.token_times
         for a, b in zip(times, times[1:], strict=False):
             self.itl.observe(b - a)
+            self.tpot_old.observe(b - a)
+        self.request_preemptions.observe(self._preempted.pop(out.request_id, 0))
+        self.request_kv_computed.observe(max(0, len(out.prompt_token_ids) - out.num_cached_tokens))
         reason = out.outputs[0].finish_reason if out.outputs else None
         self._success.labels(self._model, reason or "unknown").inc()
         self._observe_request(out)
