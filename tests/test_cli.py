@@ -121,8 +121,8 @@ def _error(capsys, *argv: str) -> str:
 def test_an_abbreviated_or_misspelt_flag_names_the_flag_it_resembles(capsys):
     assert _error(capsys, "serve", "--enable-prefix-cachin").endswith(
         "unknown flag --enable-prefix-cachin: did you mean --enable-prefix-caching?")
-    assert "kvpool bench serve: error: unknown flag --num-prompt: did you mean --num-prompts?" == \
-        _error(capsys, "bench", "serve", "--num-prompt", "3")
+    assert _error(capsys, "bench", "serve", "--num-prompt", "3") == \
+        "kvpool bench serve: error: unknown flag --num-prompt: did you mean --num-prompts?"
 
 
 @pytest.mark.parametrize(("flag", "words"), [

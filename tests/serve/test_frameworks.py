@@ -5,9 +5,8 @@ modes, LangChain's structured output and bound tools, litellm's pydantic respons
 from __future__ import annotations
 
 import pytest
-from pydantic import BaseModel
-
 from conftest import API_KEY
+from pydantic import BaseModel
 
 PROMPT = "Extract: Alice is 30 years old."  # one the bundled model completes at temperature 0
 ALICE = {"name": "Alice", "age": 30}
