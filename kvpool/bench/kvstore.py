@@ -90,6 +90,7 @@ def add_arguments(p) -> None:
                    help="TTFT of one prompt of this many tokens whose first half comes from the disk tier, store hits "
                    "written whole vs layer by layer (kvstore_layerwise.py), instead of the session workload")
     p.add_argument("--repeats", type=int, default=3, help="runs of each path for --layerwise-prompt")
+    p.add_argument("--layerwise-tier", default="disk", help="where --layerwise-prompt's hit comes from: disk | redis")
     add_engine_args(p)
     p.set_defaults(num_blocks=64)
 
@@ -104,7 +105,7 @@ def main(args) -> int:
     if args.layerwise_prompt:
         from kvpool.bench.kvstore_layerwise import run_layerwise_bench
 
-        return run_layerwise_bench(base, args.layerwise_prompt, args.repeats, args.json)
+        return run_layerwise_bench(base, args.layerwise_prompt, args.repeats, args.json, args.layerwise_tier)
     loaded = load_model(base.model, dtype=getattr(torch, base.dtype))  # the engine's resolved dtype
     results = []
     with tempfile.TemporaryDirectory(prefix="kvpool-disk-") as disk_dir:

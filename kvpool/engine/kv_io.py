@@ -75,7 +75,7 @@ class KVStoreConnector:
             self._save(list(zip(events.evicted, events.evicted_block_ids, strict=True)))
         self._start_layerwise(out)
         for load in out.kv_loads:
-            self._inflight.append((load, self.store.load_async(load.hashes)))
+            self._inflight.append((load, self.store.load_async(load.hashes, deferred=self.layerwise)))
 
     def complete_loads(self) -> None:
         """Copy landed blocks into their device blocks and report them to the scheduler; a

@@ -221,3 +221,30 @@ def test_a_group_swapped_out_before_its_first_step_takes_its_store_kv_along(load
             result = o
     assert result.outputs[0].token_ids == reference
     engine.close()
+
+
+def test_a_quantized_hit_is_decoded_under_the_forward_and_equals_the_whole_block_path(loaded, tmp_path):
+    """int4 blocks are checked before the step and dequantized layer by layer by the loader (their
+    decoding cannot fail once checked); both paths write the same dequantized KV."""
+    from kvpool.store.format import CheckedBlock
+
+    opts = {"kv_disk_path": str(tmp_path), "kv_disk_size": "256MiB", "kv_disk_codec": "int4"}
+    writer = make(loaded, False, **opts)
+    run(writer)
+    writer.close()
+    results = {}
+    for layerwise in (False, True):
+        engine = make(loaded, layerwise, **opts)
+        rid = engine.add_request(PROMPT, GREEDY)
+        assert engine.step() == []  # admitted; the load lands after this (empty) step
+        if layerwise:
+            ((_, blocks),) = engine.kv_store._staged
+            assert blocks and all(isinstance(b, CheckedBlock) for b in blocks)  # checked, not yet decoded
+        out = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished and o.request_id == rid:
+                    out = o
+        results[layerwise] = (out.outputs[0].token_ids, out.num_cached_tokens)
+        engine.close()
+    assert results[True] == results[False] and results[True][1] > 0
