@@ -11,8 +11,9 @@ thread (their slots may be reused by the next step) and encode/write on store wo
 Write-through saves every block once its KV is computed; write-back saves a block only
 when the device evicts it.
 
-Layer-wise (`layerwise`): a landed load is read and checked whole, and reported, as above, but
-its device blocks are written during the next forward pass, one layer at a time on a loader
+Layer-wise (`layerwise`): a landed load is read and checked whole (header and every layer's CRC),
+and reported, as above, but its device blocks are decoded (where decoding cannot fail once
+checked: raw, int8, int4) and written during the next forward pass, one layer at a time on a loader
 thread (kvpool/engine/layerwise.py), the model waiting for layer l before computing it; the
 plan is kvpool/sched/layerwise.py's. Writes whose blocks the next step moves first (a swap-out
 or copy-on-write source) or that no forward will run for are made whole before the step.
