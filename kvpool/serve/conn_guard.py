@@ -74,6 +74,10 @@ def guarded_h11(limits: ConnectionLimits) -> type[H11Protocol]:
             super().data_received(data)
             self._arm()
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may start a pipelined request already buffered
+            self._arm()
+
         def _arm(self) -> None:
             """Headers pending (nothing parsed yet, or a request begun) or body pending: that phase's
             deadline runs; otherwise (the app has the request, or the line is idle) none does."""
