@@ -48,7 +48,8 @@ def test_more_kv_than_the_whole_cache_is_a_400(server):
 
 class _Waiting:
     def __init__(self, n: int) -> None:
-        self.scheduler = type("S", (), {"waiting": [object()] * n})()
+        config = type("C", (), {"max_num_seqs": 8})()
+        self.scheduler = type("S", (), {"waiting": [object()] * n, "config": config})()
 
 
 def test_a_full_queue_is_a_429_that_counts_what_waits_and_what_the_request_adds():
@@ -71,3 +72,12 @@ def test_a_request_the_queue_could_never_hold_is_refused_before_it_is_queued():
     with pytest.raises(InvalidRequest) as e:
         asyncio.run(engine.submit("r", [[1]] * 5, SamplingParams(max_tokens=1), 0.0))
     assert e.value.param == "prompt" and engine._commands.empty()
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"n": 9}, "n"), ({"n": 2, "best_of": 9}, "best_of")])
+def test_more_samples_than_one_batch_holds_is_refused_by_name(fields, param):
+    # a group's samples run in one batch: 9 of them under --max-num-seqs 8 would wait forever
+    engine = AsyncEngine(_Waiting(0), ServerMetrics("m"), max_queue=4)
+    with pytest.raises(InvalidRequest, match="--max-num-seqs") as e:
+        asyncio.run(engine.submit("r", [[1]], SamplingParams(max_tokens=1, temperature=1.0, **fields), 0.0))
+    assert e.value.param == param and engine._commands.empty()
