@@ -39,6 +39,7 @@ class LayerwiseResult:
 
 
 def _ttft(engine: Engine, prompt: list[int]) -> tuple[float, int, float, float]:
+    engine.kv_store.store.flush()  # the previous run's saves would queue ahead of this run's loads
     engine.scheduler.kv.reset_prefix_cache()
     before = engine.scheduler.num_external_hit_tokens
     stall, read = engine.kv_store.load_stall_s, engine.kv_store.read_wait_s
