@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -125,7 +124,7 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
         return {"prompt": await state.off_loop(state.tokenizer.decode, req.tokens)}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(tenant: Annotated[Tenant | None, Depends(keys.admin_scope)]) -> JSONResponse:
+    async def reset_prefix_cache(tenant: Tenant | None = Depends(keys.admin_scope)) -> JSONResponse:  # noqa: B008
         """A tenant's key evicts its own namespace's idle blocks (and counts only those); the admin
         key, or a server without keys, evicts every idle block."""
         owned = None if tenant is None else tenant.owns
