@@ -69,3 +69,29 @@ def test_the_admin_key_is_not_a_tenant_key_and_no_key_resets_nothing(tenants):
     r = httpx.post(f"{tenants.url}/v1/completions", headers=_auth(ADMIN), json={"prompt": "hi", "max_tokens": 1})
     assert r.status_code == 401
     assert httpx.get(f"{tenants.url}/metrics", headers=_auth(ADMIN)).status_code == 200
+
+
+def test_a_scoped_reset_evicts_exactly_the_owned_idle_blocks():
+    from kvpool.core.kv_manager import KVCacheManager
+    from kvpool.serve.auth import KeyRing
+
+    ring = KeyRing.build([K1, K2])
+    (_, one), (_, two) = ring.api_keys
+    kv = KVCacheManager(64, 4, record_events=True)
+    salts = {1: one.salt, 2: f"{one.salt}/private", 3: two.salt, 4: None, 5: "shared-salt"}
+    for sid, salt in salts.items():
+        tokens = list(range(sid * 100, sid * 100 + 12))
+        kv.allocate(sid, tokens, cache_salt=salt)
+        kv.commit(sid, tokens, 12)
+    kv.free(1), kv.free(2), kv.free(4), kv.free(5)  # 3 (tenant two) still runs: its blocks are in use
+    kv.drain_events()
+    idle_of_one = 2 * 3  # sequences 1 and 2, 3 full blocks each, in every group
+    assert kv.reset_prefix_cache(two.owns) == 0  # two's blocks are in use; one's are not two's
+    assert kv.reset_prefix_cache(one.owns) == idle_of_one
+    assert len(kv.drain_events().evicted) == idle_of_one
+    assert kv.reset_prefix_cache(one.owns) == 0
+    assert kv.reset_prefix_cache() == 2 * 3  # the admin's: the unsalted and shared ones
+    kv.free(3)
+    assert kv.reset_prefix_cache(two.owns) == 3
+    usage = kv.usage()
+    assert usage.free_blocks == usage.total_blocks and usage.cached_blocks == 0
