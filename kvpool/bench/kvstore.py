@@ -82,7 +82,7 @@ def add_arguments(p) -> None:
                    help="comma list of off | host | host+disk | disk | remote")
     p.add_argument("--json", default=None)
     p.add_argument("--codecs", default=None,
-                   help="comma list of block codecs (none, zstd, zstd-shuffle): measure bytes per block and "
+                   help="comma list of block codecs (none, zstd, zstd-shuffle, int8[+zstd], int4[+zstd]): bytes per block and "
                    "load time per tier on real KV blocks instead of running the session workload")
     p.add_argument("--codec-tiers", default="disk,remote", help="tiers for --codecs: disk | remote")
     p.add_argument("--codec-tokens", type=int, default=2048, help="prompt tokens whose KV blocks --codecs stores")
