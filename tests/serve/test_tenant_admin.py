@@ -83,9 +83,10 @@ def test_a_scoped_reset_evicts_exactly_the_owned_idle_blocks():
         tokens = list(range(sid * 100, sid * 100 + 12))
         kv.allocate(sid, tokens, cache_salt=salt)
         kv.commit(sid, tokens, 12)
-    kv.free(1), kv.free(2), kv.free(4), kv.free(5)  # 3 (tenant two) still runs: its blocks are in use
+    for sid in (1, 2, 4, 5):  # 3 (tenant two) still runs: its blocks are in use
+        kv.free(sid)
     kv.drain_events()
-    idle_of_one = 2 * 3  # sequences 1 and 2, 3 full blocks each, in every group
+    idle_of_one = 2 * 3  # sequences 1 and 2, 3 full blocks each
     assert kv.reset_prefix_cache(two.owns) == 0  # two's blocks are in use; one's are not two's
     assert kv.reset_prefix_cache(one.owns) == idle_of_one
     assert len(kv.drain_events().evicted) == idle_of_one
