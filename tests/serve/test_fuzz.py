@@ -3,20 +3,15 @@ OpenAI's error shape, never a 500, and the engine stays healthy and correct (#13
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import socket
-import threading
-import time
 
 import pytest
-import uvicorn
-from conftest import CLUSTER_KEY, KEYS, build_inprocess_app, free_port
+from conftest import CLUSTER_KEY, KEYS, build_inprocess_app
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from kvpool.serve.cli import add_arguments, server_config
+from test_slow_clients import closed_by_server, running
 
 AUTH = {"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"}
 
@@ -147,20 +142,8 @@ RAW_WAIT_S = 60.0  # the test's bound on one exchange: a hang fails it
 def raw_server():
     """The in-process app behind uvicorn with `kvpool serve`'s connection layer, on a free port;
     short header and body deadlines so a request that never completes is cut off quickly."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--port", str(free_port()), "--header-timeout", "1", "--body-timeout", "0.5"])
-    app, _ = build_inprocess_app()
-    server = uvicorn.Server(server_config(app, args))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + RAW_WAIT_S
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield args.host, args.port
-    server.should_exit = True
-    thread.join(RAW_WAIT_S)
+    with running(build_inprocess_app()[0], "--header-timeout", "1", "--body-timeout", "0.5") as addr:
+        yield addr
 
 
 def _chunked(body: bytes, sizes: list[int], terminated: bool) -> bytes:
@@ -221,15 +204,7 @@ def _exchange(addr: tuple[str, int], raw: bytes) -> bytes:
     with socket.create_connection(addr, timeout=RAW_WAIT_S) as s:
         with contextlib.suppress(OSError):  # the server may answer and close first (a 401 before the body)
             s.sendall(raw)
-        got = b""
-        try:
-            while chunk := s.recv(65536):
-                got += chunk
-        except ConnectionResetError:
-            pass
-        except TimeoutError:
-            pytest.fail(f"no answer and no close within {RAW_WAIT_S} s: {raw[:300]!r}")
-    return got
+        return closed_by_server(s, RAW_WAIT_S)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
