@@ -1,6 +1,7 @@
-"""The package's imports only point down the layer order of docs/architecture.md, and the pure
-modules (KV manager, scheduler, the conductor's decision modules) import no torch, clock or I/O.
-Read from the source with `ast`, so a lazy import inside a function counts too."""
+"""The package's imports only point down the layer order of docs/architecture.md, no module
+imports itself back through others (no import circle), and the pure modules (KV manager,
+scheduler, the conductor's decision modules) import no torch, clock or I/O. Read from the source
+with `ast`, so a lazy import inside a function, or one only for type checking, counts too."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ LAYERS: dict[str, int] = {
 
 # The conductor's decision modules: pure like core and sched (the gateway, poller, relay and
 # local-cluster launcher are the conductor's driver and may do I/O).
-PURE_CLUSTER = {"__init__", "admission", "conductor", "decode_view", "index", "predictor", "records", "routing"}
+PURE_CLUSTER = {"__init__", "conductor", "decode_view", "index", "predictor", "records", "routing"}
 
 # Modules (first dotted component) that read a clock, touch files, processes or the network,
 # or run threads; and torch. Pure modules import none of them.
@@ -67,6 +68,92 @@ def _imports(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports: `from kvpool.a import b` names the submodule
+    a.b where there is one, else the package a; relative imports resolve against the module."""
+    paths = {_module_name(p): p for p in _modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    targets.add(sub if sub in paths else base)
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One import circle (as a path that returns to its start) per strongly connected set of
+    modules, by Tarjan's algorithm; empty when the graph has none."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                members.add(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                found.append(_circle_through(v, members, graph))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _circle_through(start: str, members: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest path from `start` back to itself inside one strongly connected set."""
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if w not in parent:
+                    parent[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{start} is in no circle of {sorted(members)}")
+
+
 def _violations(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     me = _layer_of(path)
@@ -99,6 +186,29 @@ def test_every_package_directory_has_a_layer():
 def test_imports_point_down_and_pure_modules_stay_pure():
     bad = [v for p in _modules() for v in _violations(p)]
     assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_itself_back_through_others():
+    circles = _cycles(_import_graph())
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_check_catches_an_import_circle(tmp_path, monkeypatch):
+    fake = tmp_path / "kvpool"
+    (fake / "sched").mkdir(parents=True)
+    (fake / "sched" / "__init__.py").write_text("")
+    (fake / "sched" / "scheduler.py").write_text("from kvpool.sched.admission import Admission\n")
+    (fake / "sched" / "admission.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvpool.sched import scheduler\n")
+    (fake / "sched" / "output.py").write_text("from . import admission\nfrom .admission import Admission\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert _cycles(_import_graph()) == [["kvpool.sched.admission", "kvpool.sched.scheduler", "kvpool.sched.admission"]]
+    (fake / "sched" / "admission.py").write_text("from kvpool.sched.output import X\n")  # a longer circle
+    (fake / "sched" / "output.py").write_text("from . import scheduler\n")
+    assert _cycles(_import_graph()) == [
+        ["kvpool.sched.admission", "kvpool.sched.output", "kvpool.sched.scheduler", "kvpool.sched.admission"]]
+    (fake / "sched" / "admission.py").write_text("")
+    assert _cycles(_import_graph()) == []  # a diamond of imports is no circle
 
 
 @pytest.mark.parametrize(("where", "source", "expected"), [

@@ -19,7 +19,7 @@ def _show(kv: KVCacheManager, names: dict[int, str], title: str) -> None:
         if sid in kv.seqs:
             seq = kv.seq(sid)
             table = " ".join(
-                f"[{b}{'*' if kv.pool.blocks[b].ref_count > 1 else ''}]" for b in seq.blocks
+                f"[{b}{'*' if kv.pool.blocks[b].ref_count > 1 else ''}]" for b in kv.block_table(sid)
             )
             print(f"  {name:<10} {seq.num_tokens:>2} tokens  blocks {table}")
     u = kv.usage()

@@ -117,11 +117,6 @@ class BlockPool:
         return len(self._evictable)
 
     @property
-    def num_cached(self) -> int:
-        """Blocks registered under a hash, in use or not."""
-        return len(self._cached)
-
-    @property
     def tokens_in_use(self) -> int:
         """Slots of in-use blocks that hold (or are reserved for) a known token."""
         return self._tokens_in_use

@@ -33,7 +33,7 @@ import torch
 
 from kvpool.core.block_pool import KVEvents
 from kvpool.core.hashing import BlockHash
-from kvpool.core.kv_manager import NO_BLOCK
+from kvpool.core.kv_groups import NO_BLOCK
 from kvpool.engine.layerwise import LayerwiseWriter
 from kvpool.engine.runner import ModelRunner
 from kvpool.sched.layerwise import LayerwisePlan, plan_layerwise

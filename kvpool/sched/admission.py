@@ -1,34 +1,33 @@
 """Admission: a waiting group gets blocks for every live sequence, all or nothing, reusing
 its device prefix-cache hit; blocks beyond that hit which the external store holds are planned
-as loads (`KVLoad`) that the driver carries out and reports back. A part of `Scheduler` (a
-mixin over its state)."""
+as loads (`KVLoad`) that the driver carries out and reports back."""
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
+from kvpool.core.fit import largest_fitting
 from kvpool.core.hashing import BlockHash
-from kvpool.core.kv_manager import KVCacheManager, PrefixHit, StoreRange
-from kvpool.sched.fit import largest_fitting
+from kvpool.core.kv_manager import KVCacheManager
+from kvpool.core.kv_records import PrefixHit
+from kvpool.core.store_hits import StoreRange, store_hit_blocks, store_plan
 from kvpool.sched.output import ExternalLookup, KVLoad, SchedulerOutput, StoreHit
 from kvpool.sched.request import SeqStatus, Sequence, SequenceGroup
 
-if TYPE_CHECKING:
-    from kvpool.sched.scheduler import SchedulerConfig
-
 
 class Admission:
-    """`Scheduler`'s admission and store-load bookkeeping."""
+    """Admission of waiting groups and the bookkeeping of their store loads."""
 
-    config: SchedulerConfig
-    kv: KVCacheManager
-    external_kv: ExternalLookup | None
-    num_external_hit_tokens: int
-    _load_ids: itertools.count
-    _watermark_blocks: int
+    def __init__(self, kv: KVCacheManager, enable_chunked_prefill: bool, watermark_blocks: int,
+                 external_kv: ExternalLookup | None = None) -> None:
+        self.kv = kv
+        self.chunked = enable_chunked_prefill
+        self.watermark_blocks = watermark_blocks
+        self.external_kv = external_kv  # how many blocks, from the first, the external store holds
+        self.num_external_hit_tokens = 0
+        self._load_ids = itertools.count()
 
-    def _admit(self, group: SequenceGroup, out: SchedulerOutput, chunk: int) -> int:
+    def admit(self, group: SequenceGroup, out: SchedulerOutput, chunk: int) -> int:
         """Allocate blocks for every live sequence of a waiting group, all or nothing; blocks
         beyond the device prefix hit that the external store holds are loaded, not computed.
         Returns the tokens the first prefill chunk may take (0: not admitted). A window group
@@ -36,16 +35,16 @@ class Admission:
         not fit, the most that do (a recomputed sequence's prompt can outgrow the first
         chunk's blocks); the scheduler reserves each later chunk's as it runs."""
         kv = self.kv
-        B = self.config.block_size
+        B = self.kv.block_size
         plans = []
         for seq in group.live_seqs:
             hashes = group.prompt_hashes if len(seq.token_ids) == seq.prompt_len else None
             if hashes is None:
-                hashes = kv.prompt_hashes(seq.token_ids, group.cache_salt) if self.config.enable_prefix_caching else []
+                hashes = kv.prompt_hashes(seq.token_ids, group.cache_salt) if kv.enable_prefix_caching else []
             hit = self._match(group, seq, hashes)
             ranges = self._store_ranges(group, seq, hashes, hit.num_tokens // B)
             seq_need = kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges, chunk))
-            if ranges and seq_need > kv.pool.num_blocks - self._watermark_blocks:
+            if ranges and seq_need > kv.pool.num_blocks - self.watermark_blocks:
                 ranges = []  # the hit's window groups alone would never fit: compute instead
             plans.append((seq, hashes, hit, ranges))
         chunk = self._fitting_chunk(plans, chunk)
@@ -69,13 +68,13 @@ class Admission:
         """`chunk`, or with window groups the largest first chunk whose blocks fit the free
         pool (their blocks grow with the chunk, the others' do not); 0 if none does."""
         kv = self.kv
-        free = kv.num_free_blocks - self._watermark_blocks
+        free = kv.num_free_blocks - self.watermark_blocks
 
         def fits(c: int) -> bool:
             return sum(kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges, c))
                        for seq, _, hit, ranges in plans) <= free
 
-        if not kv.windowed or not self.config.enable_chunked_prefill:
+        if not kv.windowed or not self.chunked:
             return chunk if fits(chunk) else 0
         return largest_fitting(fits, chunk)
 
@@ -88,16 +87,16 @@ class Admission:
         """What the external store adds past a device hit of `hit_blocks`, per layer group."""
         if self.external_kv is None or group.params.prompt_logprobs is not None:
             return []
-        limit = (len(seq.token_ids) - 1) // self.config.block_size
-        return self.kv.store_plan(hashes, hit_blocks, limit, self.external_kv)
+        limit = (len(seq.token_ids) - 1) // self.kv.block_size
+        return store_plan(self.kv.groups, hashes, hit_blocks, limit, self.external_kv)
 
     def _window_upto(self, hit: PrefixHit, ranges: list[StoreRange], chunk: int) -> int | None:
         """Where a new sequence's window groups stop at admission: the first prefill chunk (of
         `chunk` tokens) past its hit (device and store). None (the whole prompt) without
         chunked prefill."""
-        if not self.kv.windowed or not self.config.enable_chunked_prefill:
+        if not self.kv.windowed or not self.chunked:
             return None
-        start = ranges[0].end * self.config.block_size if ranges else hit.num_tokens
+        start = ranges[0].end * self.kv.block_size if ranges else hit.num_tokens
         return start + chunk
 
     def _plan_store_loads(self, group: SequenceGroup, seq: Sequence, hashes: list[BlockHash], hit_blocks: int,
@@ -115,10 +114,10 @@ class Admission:
                                        tables[r.group][r.start : r.end], r.group, shared))
             group.pending_kv_loads.add(load_id)
         gained = ranges[0].end - hit_blocks
-        self.num_external_hit_tokens += gained * self.config.block_size
+        self.num_external_hit_tokens += gained * self.kv.block_size
         return gained
 
-    def _unadmit(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def unadmit(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         out.kv_loads = [ld for ld in out.kv_loads if ld.group is not group]
         group.pending_kv_loads.clear()
         for seq in group.live_seqs:
@@ -140,7 +139,7 @@ class Admission:
         layer-grouped sequence's hit settles with its last load: at the point every group has
         what its queries read, the window groups' blocks behind it freed."""
         load.group.pending_kv_loads.discard(load.load_id)
-        B = self.config.block_size
+        B = self.kv.block_size
         hit = load.store_hit
         if hit is None:
             if num_loaded < len(load.hashes):
@@ -149,7 +148,7 @@ class Admission:
         hit.landed.append((StoreRange(load.layer_group, load.start_block, load.start_block + len(load.hashes)),
                            num_loaded))
         if len(hit.landed) == hit.num_loads:
-            position = self.kv.store_hit_blocks(hit.hit_blocks, hit.landed) * B
+            position = store_hit_blocks(hit.hit_blocks, hit.landed) * B
             if position < load.seq.num_computed_tokens:
                 self._settle_store_hit(load, position)
             self.kv.drop_behind(load.seq.seq_id, load.seq.num_computed_tokens)

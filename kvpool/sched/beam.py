@@ -11,12 +11,11 @@ the selection, forks and prunes happen here, once for both.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from kvpool.sched.forks import Forks
 from kvpool.sched.request import FinishReason, Sequence, SequenceGroup
+from kvpool.sched.stops import Stops
 
-if TYPE_CHECKING:
-    from kvpool.sched.scheduler import Scheduler
+Candidates = list[tuple[int, float]]  # a beam's continuations (token, logprob), best first
 
 
 def beam_candidates(group: SequenceGroup) -> int:
@@ -25,54 +24,60 @@ def beam_candidates(group: SequenceGroup) -> int:
     return max(2, 1 + len(eos)) * group.params.n
 
 
-def beam_step(sched: Scheduler, group: SequenceGroup, rows: list[tuple[Sequence, list[tuple[int, float]]]]) -> int:
-    """Advance one group by one token from its live beams' candidates; returns the tokens
-    appended (the kept continuations)."""
-    state = group.beam
-    assert state is not None, "beam_step on a group without beam search"
-    params = group.params
-    k = params.n
-    eos = () if params.ignore_eos else group.eos_token_ids
-    flat = [(beam.cumulative_logprob + lp, b, token)
-            for b, (beam, cands) in enumerate(rows) for token, lp in cands]
-    flat.sort(key=lambda x: -x[0])  # stable: ties keep beam order, then candidate order
-    del flat[beam_candidates(group):]
-    beams = [beam for beam, _ in rows]
-    gen_len = beams[0].num_output_tokens + 1
-    at_limit = gen_len >= params.max_tokens
-    running: list[tuple[Sequence, int, float]] = []
-    for rank, (score, b, token) in enumerate(flat):
-        parent = beams[b]
-        if token in eos or at_limit:
-            if rank < k and state.improvable:
-                reason = FinishReason.STOP if token in eos else FinishReason.LENGTH
-                state.finished.append((score / gen_len**params.length_penalty, parent.output_ids + [token], reason))
-        elif len(running) < k:
-            running.append((parent, token, score))
-    state.finished.sort(key=lambda h: -h[0])
-    del state.finished[k:]
-    if running and len(state.finished) == k:
-        best = running[0][2] / gen_len**params.length_penalty
-        state.improvable = best > state.finished[-1][0]
-    if not running or not state.improvable:
+class BeamSearch:
+    """Beam steps over forked sequences: forks and drops through `forks`, finishes through `stops`."""
+
+    def __init__(self, forks: Forks, stops: Stops) -> None:
+        self.forks = forks
+        self.stops = stops
+
+    def step(self, group: SequenceGroup, rows: list[tuple[Sequence, Candidates]]) -> int:
+        """Advance one group by one token from its live beams' candidates; returns the tokens
+        appended (the kept continuations)."""
+        state = group.beam
+        assert state is not None, "a beam step on a group without beam search"
+        params = group.params
+        k = params.n
+        eos = () if params.ignore_eos else group.eos_token_ids
+        flat = [(beam.cumulative_logprob + lp, b, token)
+                for b, (beam, cands) in enumerate(rows) for token, lp in cands]
+        flat.sort(key=lambda x: -x[0])  # stable: ties keep beam order, then candidate order
+        del flat[beam_candidates(group):]
+        beams = [beam for beam, _ in rows]
+        gen_len = beams[0].num_output_tokens + 1
+        at_limit = gen_len >= params.max_tokens
+        running: list[tuple[Sequence, int, float]] = []
+        for rank, (score, b, token) in enumerate(flat):
+            parent = beams[b]
+            if token in eos or at_limit:
+                if rank < k and state.improvable:
+                    reason = FinishReason.STOP if token in eos else FinishReason.LENGTH
+                    state.finished.append((score / gen_len**params.length_penalty, parent.output_ids + [token], reason))
+            elif len(running) < k:
+                running.append((parent, token, score))
+        state.finished.sort(key=lambda h: -h[0])
+        del state.finished[k:]
+        if running and len(state.finished) == k:
+            best = running[0][2] / gen_len**params.length_penalty
+            state.improvable = best > state.finished[-1][0]
+        if not running or not state.improvable:
+            for b in beams:
+                self.stops.finish(b, FinishReason.STOP)
+            return 0
+        self._apply(group, beams, running)
+        return len(running)
+
+    def _apply(self, group: SequenceGroup, beams: list[Sequence], running: list[tuple[Sequence, int, float]]) -> None:
+        """Reuse each parent for its first child, fork it for the others, drop unused parents."""
+        used: set[int] = set()
+        targets = []
+        for parent, token, score in running:
+            child = self.forks.fork(group, parent) if parent.seq_id in used else parent
+            used.add(parent.seq_id)
+            targets.append((child, token, score))
         for b in beams:
-            sched.finish_seq(b, FinishReason.STOP)
-        return 0
-    _apply(sched, group, beams, running)
-    return len(running)
-
-
-def _apply(sched: Scheduler, group: SequenceGroup, beams: list[Sequence], running) -> None:
-    """Reuse each parent for its first child, fork it for the others, drop unused parents."""
-    used: set[int] = set()
-    targets = []
-    for parent, token, score in running:
-        child = sched.fork(group, parent) if parent.seq_id in used else parent
-        used.add(parent.seq_id)
-        targets.append((child, token, score))
-    for b in beams:
-        if b.seq_id not in used:
-            sched.drop_seq(group, b)
-    for seq, token, score in targets:
-        seq.token_ids.append(token)
-        seq.cumulative_logprob = score
+            if b.seq_id not in used:
+                self.forks.drop(group, b)
+        for seq, token, score in targets:
+            seq.token_ids.append(token)
+            seq.cumulative_logprob = score

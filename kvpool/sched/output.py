@@ -8,7 +8,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from kvpool.core.hashing import BlockHash
-from kvpool.core.kv_manager import CopyOp, StoreRange, SwapMap
+from kvpool.core.kv_records import CopyOp, SwapMap
+from kvpool.core.store_hits import StoreRange
 from kvpool.sched.request import Sequence, SequenceGroup
 
 
@@ -48,7 +49,7 @@ class KVLoad:
 class StoreHit:
     """One sequence's store hit over several layer groups (one `KVLoad` each): each reports
     here how many blocks landed; with the last, what the hit is worth is settled
-    (`KVCacheManager.store_hit_blocks`)."""
+    (`kvpool.core.store_hits.store_hit_blocks`)."""
 
     hit_blocks: int  # the device prefix hit it extends
     num_loads: int

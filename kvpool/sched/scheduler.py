@@ -14,20 +14,23 @@ Policy, in order, each step:
 3. waiting groups, oldest first (FCFS), admitted while the budget, `max_num_seqs` and the
    free blocks above the watermark allow; prefix-cache hits skip their tokens.
 No group is admitted or swapped in during a step that preempted.
+The policies are parts, each given the KV manager and what else it needs: `Admission`
+(admission.py), `Preemption` (preemption.py), `Stops` (stops.py), `BeamSearch` (beam.py),
+`Forks` (forks.py), over the shared `Queues` (queues.py); this module sequences them.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from kvpool.core.kv_manager import KVCacheManager
-from kvpool.errors import ConfigError, InvalidRequest
+from kvpool.errors import InvalidRequest
 from kvpool.sched.admission import Admission
-from kvpool.sched.beam import beam_step
+from kvpool.sched.beam import BeamSearch
+from kvpool.sched.config import SchedulerConfig
 from kvpool.sched.decode_batch import DecodeBatch, plain_decode
+from kvpool.sched.forks import Forks
 from kvpool.sched.output import (
     ExternalLookup,
     KVLoad,
@@ -37,53 +40,19 @@ from kvpool.sched.output import (
     TextHook,
 )
 from kvpool.sched.preemption import Preemption
+from kvpool.sched.queues import Queues
 from kvpool.sched.request import FinishReason, SeqStatus, Sequence, SequenceGroup
 from kvpool.sched.stops import Stops
 
 __all__ = ["KVLoad", "Sample", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
-PREEMPTION_MODES = ("recompute", "swap")
 
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    eviction_policy: str = "lru"
-    preemption_mode: str = "recompute"
-    num_host_blocks: int = 0
-    watermark: float = 0.01
-    namespace: str = ""
-    record_kv_events: bool = False
-    kv_group_windows: tuple[int | None, ...] = (None,)  # per layer group (kvpool/core/layer_groups.py)
-
-    def __post_init__(self) -> None:
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                f"must be >= max_model_len ({self.max_model_len})"
-            )
-        if not 0 <= self.watermark < 1:
-            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
-
-
-class Scheduler(Admission, Preemption, Stops):
-    """The queues and the step; admission (with store loads), preemption and stop checks are its
-    parts in kvpool/sched/admission.py, preemption.py and stops.py."""
+class Scheduler:
+    """The queues and the step, sequencing its parts."""
 
     def __init__(self, config: SchedulerConfig, external_kv: ExternalLookup | None = None) -> None:
         self.config = config
-        self.external_kv = external_kv
-        self.kv = KVCacheManager(
+        self.kv = kv = KVCacheManager(
             config.num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -93,22 +62,66 @@ class Scheduler(Admission, Preemption, Stops):
             record_events=config.record_kv_events,
             group_windows=config.kv_group_windows,
         )
-        self.waiting: deque[SequenceGroup] = deque()
-        self.running: list[SequenceGroup] = []
-        self.swapped: deque[SequenceGroup] = deque()
-        self.groups: dict[str, SequenceGroup] = {}
-        self._seq_ids = itertools.count()
-        self._load_ids = itertools.count()
-        self._watermark_blocks = int(config.watermark * config.num_blocks)
-        self.num_preemptions = 0
-        self.num_swapped_blocks = 0
-        self.num_external_hit_tokens = 0
-        self.num_generated_tokens = 0
+        watermark_blocks = int(config.watermark * config.num_blocks)
+        self.queues = queues = Queues(kv)
+        self.admission = Admission(kv, config.enable_chunked_prefill, watermark_blocks, external_kv)
+        self.preemption = Preemption(kv, queues, config.preemption_mode, watermark_blocks)
+        self.stops = Stops(kv)
+        self.forks = Forks(kv)
+        self.beams = BeamSearch(self.forks, self.stops)
+
+    # -- state, as the drivers read it -----------------------------------------------------
+    @property
+    def waiting(self) -> deque[SequenceGroup]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[SequenceGroup]:
+        return self.queues.running
+
+    @property
+    def swapped(self) -> deque[SequenceGroup]:
+        return self.queues.swapped
+
+    @property
+    def groups(self) -> dict[str, SequenceGroup]:
+        return self.queues.groups
+
+    @property
+    def external_kv(self) -> ExternalLookup | None:
+        """How many blocks, from the first, the external KV store holds (None: no store)."""
+        return self.admission.external_kv
+
+    @external_kv.setter
+    def external_kv(self, lookup: ExternalLookup | None) -> None:
+        self.admission.external_kv = lookup
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemption.num_preemptions
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        return self.preemption.num_swapped_blocks
+
+    @property
+    def num_external_hit_tokens(self) -> int:
+        return self.admission.num_external_hit_tokens
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.stops.num_generated_tokens
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(g.live_seqs) for g in self.running)
+
+    def has_unfinished(self) -> bool:
+        return self.queues.has_unfinished()
 
     # -- requests --------------------------------------------------------------------------
     def new_sequence(self, prompt_token_ids: Iterable[int]) -> Sequence:
-        token_ids = list(prompt_token_ids)
-        return Sequence(next(self._seq_ids), token_ids, len(token_ids))
+        return self.forks.new(prompt_token_ids)
 
     def add_request(self, group: SequenceGroup) -> None:
         """Queue a group; rejects one that could never fit."""
@@ -141,16 +154,25 @@ class Scheduler(Admission, Preemption, Stops):
         if group is None:
             return None
         for seq in group.live_seqs:
-            self.finish_seq(seq, FinishReason.ABORT)
-        self._release(group)
+            self.stops.finish(seq, FinishReason.ABORT)
+        self.queues.release(group)
         return group
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+    def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End a sequence (the driver's verdict on a failed row); its blocks are freed."""
+        self.stops.finish(seq, reason, stop_reason)
 
-    @property
-    def num_running_seqs(self) -> int:
-        return sum(len(g.live_seqs) for g in self.running)
+    def early_stop_tokens(self, group: SequenceGroup, seq: Sequence) -> list[int]:
+        """Tokens the sampler must not draw for `seq` now (`Stops.early_stop_tokens`)."""
+        return self.stops.early_stop_tokens(group, seq)
+
+    def kv_load_valid(self, load: KVLoad) -> bool:
+        """The blocks a load was planned into are still its sequence's (`Admission.kv_load_valid`)."""
+        return self.admission.kv_load_valid(load)
+
+    def finish_kv_load(self, load: KVLoad, num_loaded: int) -> None:
+        """A planned load landed with its first `num_loaded` blocks (`Admission.finish_kv_load`)."""
+        self.admission.finish_kv_load(load, num_loaded)
 
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -168,6 +190,7 @@ class Scheduler(Admission, Preemption, Stops):
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
         running = self.running
+        reserve = self.preemption.reserve_decode_slots
         num_seqs = 0
         i = 0
         while i < len(running):
@@ -179,35 +202,22 @@ class Scheduler(Admission, Preemption, Stops):
             need = self._tokens_wanted(live, budget)
             if need is None or num_seqs + len(live) > max_seqs:
                 break
-            if not self._reserve_decode_slots(group, live, out, wanted=need):
+            if not reserve(group, live, out, wanted=need):
                 break  # the group preempted itself: every later one is gone too
             budget -= self._emit(group, live, need, out)
             num_seqs += len(live)
             i += 1
         if out.preempted:
             return
-        while self.swapped:
-            group = self.swapped[0]
+        swapped = self.swapped
+        while swapped:
+            group = swapped[0]
             live = group.live_seqs
-            seq_ids = [s.seq_id for s in live]
             need = self._tokens_wanted(live, budget)
             if need is None or num_seqs + len(live) > max_seqs:
                 return
-            # each sequence's next token takes at most one block (a new one or a CoW copy); a
-            # prefill chunk, its window groups' blocks (the chunk shrinks to what fits)
-            need_blocks = self.kv.num_swap_in_blocks(seq_ids) + len(seq_ids) * self.kv.num_groups
-            free = self.kv.num_free_blocks - self._watermark_blocks - need_blocks
-            if free < 0 or (self.kv.windowed and not self._fit_chunks(
-                    [(i, s) for i, s in enumerate(live) if need[i]], need, free)):
+            if not self.preemption.swap_in(group, live, need, out):
                 return
-            self.swapped.popleft()
-            out.swap_in.extend(self.kv.swap_in(seq_ids))
-            self.num_swapped_blocks += len(out.swap_in)
-            for seq in live:
-                seq.status = SeqStatus.RUNNING
-            running.append(group)
-            reserved = self._reserve_decode_slots(group, live, out, may_preempt=False, wanted=need)
-            assert reserved, "swap-in admitted a group whose next tokens do not fit"
             budget -= self._emit(group, live, need, out)
             num_seqs += len(live)
         while self.waiting and budget > 0:
@@ -215,7 +225,7 @@ class Scheduler(Admission, Preemption, Stops):
             live = group.live_seqs
             if num_seqs + len(live) > max_seqs:
                 break
-            chunk = self._admit(group, out, budget)
+            chunk = self.admission.admit(group, out, budget)
             if not chunk:
                 break
             if group.pending_kv_loads:  # computes from the next step on, once its KV has landed
@@ -224,7 +234,7 @@ class Scheduler(Admission, Preemption, Stops):
                 continue
             need = self._tokens_wanted(live, chunk)
             if need is None:
-                self._unadmit(group, out)
+                self.admission.unadmit(group, out)
                 break
             self.waiting.popleft()
             running.append(group)
@@ -239,7 +249,7 @@ class Scheduler(Admission, Preemption, Stops):
         sample, step beams, append tokens, check stops; returns the groups that finished (freed)."""
         self._commit(out)
         beams: dict[str, tuple[SequenceGroup, list]] = {}
-        append = self._append
+        append = self.stops.append
         for s, smp in zip(out.sampling, sampled, strict=True):
             seq = s.seq
             if smp is None or seq.status is SeqStatus.FINISHED:
@@ -256,14 +266,14 @@ class Scheduler(Admission, Preemption, Stops):
             for j, t in enumerate(targets):
                 append(g, t, tokens[j], lps[j] if lps else 0.0, tops[j] if tops else None, on_text)
         for g, rows in beams.values():
-            self.num_generated_tokens += beam_step(self, g, rows)
-        return self.free_finished()
+            self.stops.num_generated_tokens += self.beams.step(g, rows)
+        return self.queues.free_finished()
 
     def plain_decode(self) -> DecodeBatch | None:
         """A shortcut for drivers that step many times between changes: when the next steps
         are plain decode steps, the batch whose `step(tokens)` is `schedule()` + `postprocess()`
         of one of them (see kvpool/sched/decode_batch.py), else None."""
-        return plain_decode(self)
+        return plain_decode(self.kv, self.queues, self.stops, self.config)
 
     def _commit(self, out: SchedulerOutput) -> None:
         """The step ran: its KV is written. Advance and register the computed blocks."""
@@ -276,33 +286,13 @@ class Scheduler(Admission, Preemption, Stops):
             commit(seq.seq_id, seq.token_ids, computed)
 
     def _fork_sample(self, group: SequenceGroup, seq: Sequence, index: int) -> Sequence:
-        child = self.fork(group, seq)
+        child = self.forks.fork(group, seq)
         child.sample_index = index
         return child
 
     def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence sharing every block of `parent` (copy-on-write on its next write)."""
-        child = Sequence(
-            next(self._seq_ids), list(parent.token_ids), parent.prompt_len, parent.num_computed_tokens,
-            parent.status, cumulative_logprob=parent.cumulative_logprob,
-            logprobs=list(parent.logprobs), top_logprobs=list(parent.top_logprobs),
-        )
-        self.kv.fork(parent.seq_id, child.seq_id)
-        group.seqs.append(child)
-        return child
-
-    def drop_seq(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Remove a sequence from its group entirely (a pruned beam)."""
-        if self.kv.has_seq(seq.seq_id):
-            self.kv.free(seq.seq_id)
-        group.seqs.remove(seq)
-
-    def free_finished(self) -> list[SequenceGroup]:
-        """Remove and return the groups whose every sequence has finished."""
-        done = [g for g in self.running if g.is_finished]
-        for g in done:
-            self._release(g)
-        return done
+        return self.forks.fork(group, parent)
 
     # -- internals -------------------------------------------------------------------------
     def _tokens_wanted(self, live: list[Sequence], budget: int) -> list[int] | None:
@@ -348,12 +338,3 @@ class Scheduler(Admission, Preemption, Stops):
         total = sum(wanted)
         out.num_batched_tokens += total
         return total
-
-    def _release(self, group: SequenceGroup) -> None:
-        for seq in group.seqs:
-            if self.kv.has_seq(seq.seq_id):
-                self.kv.free(seq.seq_id)
-        self.groups.pop(group.request_id, None)
-        for queue in (self.running, self.waiting, self.swapped):
-            if group in queue:
-                queue.remove(group)

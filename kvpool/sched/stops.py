@@ -1,6 +1,5 @@
-"""Stop conditions: a sampled token is appended and every stop condition applied in vLLM's
-order; the tokens a sampler must not draw before `min_tokens`. A part of `Scheduler` (a mixin
-over its state)."""
+"""Stop conditions: a sampled token is appended and every stop condition applied in vLLM's order;
+the tokens a sampler must not draw before `min_tokens`. The one place a sequence finishes."""
 
 from __future__ import annotations
 
@@ -10,10 +9,12 @@ from kvpool.sched.request import FinishReason, SeqStatus, Sequence, SequenceGrou
 
 
 class Stops:
-    """`Scheduler`'s token append, stop checks and sequence finish."""
+    """Token appends, stop checks and sequence finishes over the KV manager (a finished
+    sequence's blocks are freed at once)."""
 
-    kv: KVCacheManager
-    num_generated_tokens: int
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.num_generated_tokens = 0
 
     def early_stop_tokens(self, group: SequenceGroup, seq: Sequence) -> list[int]:
         """Tokens the sampler must not draw for `seq` now: below min_tokens, its stop token ids
@@ -23,7 +24,7 @@ class Stops:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else list(group.eos_token_ids))
 
-    def _append(
+    def append(
         self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float = 0.0,
         top: list[tuple[int, float]] | None = None, on_text: TextHook | None = None,
     ) -> bool:
@@ -43,22 +44,23 @@ class Stops:
             if token_id in params.stop_token_ids:
                 if on_text is not None:
                     on_text(group, seq, False)
-                self.finish_seq(seq, FinishReason.STOP, stop_reason=token_id)
+                self.finish(seq, FinishReason.STOP, stop_reason=token_id)
                 return True
             if not params.ignore_eos and token_id in group.eos_token_ids:
-                self.finish_seq(seq, FinishReason.STOP)
+                self.finish(seq, FinishReason.STOP)
                 return True
         if on_text is not None:
             stop = on_text(group, seq, may_stop and bool(params.stop))
             if stop is not None:
-                self.finish_seq(seq, FinishReason.STOP, stop_reason=stop)
+                self.finish(seq, FinishReason.STOP, stop_reason=stop)
                 return True
         if n_out >= params.max_tokens:
-            self.finish_seq(seq, FinishReason.LENGTH)
+            self.finish(seq, FinishReason.LENGTH)
             return True
         return False
 
-    def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End `seq` for `reason` and free its blocks (a no-op on a finished sequence)."""
         if seq.is_finished:
             return
         if self.kv.has_seq(seq.seq_id):

@@ -12,7 +12,7 @@ With a `SimStore` (a host, disk or remote tier) the scheduler plans store hits p
 prefix cache as `KVLoad`s, exactly as for the engine's store; the step that plans them pays the
 tier's load cost and they land when it ends (the engine's `complete_loads()`).
 
-Beam search runs the core's `beam_step` on candidates from a seeded stand-in for the model:
+Beam search runs the core's `BeamSearch` on candidates from a seeded stand-in for the model:
 each beam offers continuations whose logprobs fall by Exp(1) draws, so beams with better
 histories branch and the others are pruned, as a language model's beams do.
 
@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpool.core.hashing import BlockHash
-from kvpool.core.kv_manager import KVCacheManager, group_key
+from kvpool.core.kv_groups import group_key
+from kvpool.core.kv_manager import KVCacheManager
 from kvpool.costs.cost_model import CostModel, StepBatch
 from kvpool.errors import ConfigError
 from kvpool.sched.beam import beam_candidates

@@ -1,78 +1,28 @@
-"""The KV manager with two layer groups (full attention + a sliding window), checked against a
-shadow memory like tests/core/test_kv_manager_properties.py: random interleavings of every
-operation; each group's tokens are written through its own table; a window group must keep
+"""The KV manager with two layer groups (full attention + a sliding window), checked against the
+shadow memory of tests/core/kv_shadow_machine.py: random interleavings of every operation; each
+group's tokens are written through its own table; a window group must keep
 every block a later query reads and hold at most ceil(W/B)+1 blocks once committed."""
 
 from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import invariant, rule
+from kv_shadow_machine import B, KVShadowMachine
 
-from kvpool.core.hashing import hash_blocks
-from kvpool.core.kv_manager import NO_BLOCK, KVCacheManager
+from kvpool.core.kv_groups import NO_BLOCK, group_key
+from kvpool.core.kv_manager import KVCacheManager
 from kvpool.errors import OutOfBlocks
 
-B = 4
 W = 6
-GROUPS = (None, W)
-NUM_BLOCKS = 40
-NUM_HOST = 24
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2, 3, 4, 50, 60], [7] * 17]
-TAGS = (b"", (1).to_bytes(2, "little"))
 
 
-class GroupedKVMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["lru", "fifo"]))
-    def setup(self, policy: str) -> None:
-        self.kv = KVCacheManager(NUM_BLOCKS, B, eviction_policy=policy, num_host_blocks=NUM_HOST,
-                                 group_windows=GROUPS)
-        self.dev: dict[int, list] = {}
-        self.host: dict[int, list] = {}
-        self.tokens: dict[int, list[int]] = {}
-        self.truth: dict[bytes, tuple[int, ...]] = {}
-        self.next_id = 0
-
-    def _write(self, sid: int, start: int, end: int) -> None:
-        toks = self.tokens[sid]
-        for table in self.kv.block_tables(sid):
-            for p in range(start, end):
-                assert table[p // B] != NO_BLOCK, "a token is written into a freed block"
-                self.dev.setdefault(table[p // B], [None] * B)[p % B] = toks[p]
-
-    def _learn(self, toks: list[int], salt: str | None) -> None:
-        for i, h in enumerate(hash_blocks(toks, B, cache_salt=salt)):
-            for tag in TAGS:
-                self.truth[h + tag] = tuple(toks[i * B : (i + 1) * B])
-
-    def _device_seqs(self) -> list[int]:
-        return [s for s in self.tokens if not self.kv.seq(s).on_host]
-
-    def _readable(self, sid: int, group: int) -> range:
-        """Positions a later query of `sid` reads in `group`: all, or the last W-1 for the window."""
-        n = len(self.tokens[sid])
-        return range(n) if GROUPS[group] is None else range(max(0, n - W + 1), n)
-
-    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 9), max_size=9),
-          salt=st.sampled_from([None, None, "t1"]))
-    def allocate(self, prefix, tail, salt):
-        toks = prefix + tail
-        sid, self.next_id = self.next_id, self.next_id + 1
-        free_before = self.kv.num_free_blocks
-        try:
-            cached = self.kv.allocate(sid, toks, cache_salt=salt)
-        except OutOfBlocks:
-            assert sid not in self.kv.seqs and self.kv.num_free_blocks == free_before
-            return
-        assert cached < len(toks) and cached % B == 0
-        self.tokens[sid] = toks
-        for g, table in enumerate(self.kv.block_tables(sid)):  # the hit holds what position `cached` reads
-            lo = 0 if GROUPS[g] is None else max(0, cached - W + 1)
-            for p in range(lo, cached):
-                assert self.dev[table[p // B]][p % B] == toks[p]
-        self._write(sid, cached, len(toks))
-        self.kv.commit(sid, toks, len(toks))
-        self._learn(toks, salt)
+class GroupedKVMachine(KVShadowMachine):
+    NUM_BLOCKS = 40
+    NUM_HOST = 24
+    GROUPS = (None, W)
+    PREFIXES = PREFIXES
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 9), max_size=9),
           chunk=st.integers(1, 7))
@@ -104,79 +54,13 @@ class GroupedKVMachine(RuleBasedStateMachine):
             self.kv.commit(sid, toks, end)
             pos = end
 
-    @precondition(lambda self: self._device_seqs())
-    @rule(data=st.data(), n=st.integers(1, 6))
-    def append(self, data, n):
-        sid = data.draw(st.sampled_from(self._device_seqs()))
-        new = data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
-        try:
-            copies = self.kv.append_slots(sid, n)
-        except OutOfBlocks:
-            return
-        for src, dst in copies:
-            self.dev[dst] = list(self.dev[src])
-        start = len(self.tokens[sid])
-        self.tokens[sid] = self.tokens[sid] + new
-        self._write(sid, start, start + n)
-        self.kv.commit(sid, self.tokens[sid], len(self.tokens[sid]))
-        self._learn(self.tokens[sid], self.kv.seq(sid).cache_salt)
-
-    @precondition(lambda self: self._device_seqs())
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(self._device_seqs()))
-        child, self.next_id = self.next_id, self.next_id + 1
-        self.kv.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def free(self, data):
-        sid = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.kv.free(sid)
-        del self.tokens[sid]
-
-    @precondition(lambda self: self._device_seqs())
-    @rule(data=st.data())
-    def swap_out(self, data):
-        group = data.draw(st.lists(st.sampled_from(self._device_seqs()), min_size=1, max_size=3, unique=True))
-        if not self.kv.can_swap_out(group):
-            return
-        for d, h in self.kv.swap_out(group):
-            self.host[h] = list(self.dev[d])
-
-    @precondition(lambda self: any(self.kv.seq(s).on_host for s in self.tokens))
-    @rule(data=st.data())
-    def swap_in(self, data):
-        on_host = [s for s in self.tokens if self.kv.seq(s).on_host]
-        group = data.draw(st.lists(st.sampled_from(on_host), min_size=1, max_size=3, unique=True))
-        if not self.kv.can_swap_in(group):
-            return
-        for h, d in self.kv.swap_in(group):
-            self.dev[d] = list(self.host[h])
-
-    @rule()
-    def reset_prefix_cache(self):
-        self.kv.reset_prefix_cache()
-
     @invariant()
     def refcounts_equal_live_table_references(self):
-        dev_refs, host_refs = [0] * NUM_BLOCKS, [0] * NUM_HOST
-        for sid in self.tokens:
-            refs = host_refs if self.kv.seq(sid).on_host else dev_refs
-            for table in self.kv.block_tables(sid):
-                for b in table:
-                    if b != NO_BLOCK:
-                        refs[b] += 1
-        assert dev_refs == [blk.ref_count for blk in self.kv.pool.blocks]
-        assert host_refs == self.kv.host.ref_counts
-        used = sum(1 for r in dev_refs if r)
-        assert used + self.kv.num_free_blocks == NUM_BLOCKS == self.kv.usage().total_blocks
+        self.check_refcounts_equal_live_table_references()
 
     @invariant()
     def every_cached_hash_names_a_block_holding_its_tokens(self):
-        for h, b in self.kv.pool.cached_items():
-            assert tuple(self.dev[b]) == self.truth[h]
+        self.check_every_cached_hash_names_a_block_holding_its_tokens()
 
     @invariant()
     def each_group_reads_what_its_queries_need_and_the_window_holds_little(self):
@@ -186,19 +70,10 @@ class GroupedKVMachine(RuleBasedStateMachine):
             held = self.kv.blocks_held(sid)
             for g, table in enumerate(tables):
                 assert len(table) == -(-len(toks) // B)
-                for p in self._readable(sid, g):
+                for p in self._readable(len(toks), g):
                     assert mem[table[p // B]][p % B] == toks[p]
             assert held[0] == len(tables[0])
             assert held[1] <= -(-W // B) + 1  # every sequence here is committed up to its end
-
-    def teardown(self):
-        if not hasattr(self, "kv"):
-            return
-        for sid in list(self.tokens):
-            self.kv.free(sid)
-        assert self.kv.num_free_blocks == NUM_BLOCKS
-        assert self.kv.host.num_free == NUM_HOST
-        assert self.kv.usage().token_slots == 0
 
 
 GroupedKVMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
@@ -234,7 +109,7 @@ def test_window_prefix_hit_needs_the_blocks_before_the_hit_point():
     longer = toks + [5] * 16
     hit = kv.match_prefix(kv.prompt_hashes(longer), len(longer))
     assert hit.num_tokens == 24  # window blocks 4, 5 cover a hit of 6 blocks
-    assert hit.other_groups[0][:4] == (NO_BLOCK,) * 4
+    assert hit.tables[1][:4] == (NO_BLOCK,) * 4
     kv.free(1)
     cached = kv.allocate(2, longer)
     assert cached == 24 and kv.blocks_held(2) == [10, 10 - 4]
@@ -248,7 +123,7 @@ def test_each_group_registers_under_its_own_key_and_events_name_both():
     kv.allocate(0, toks)
     kv.commit(0, toks, 9)
     hashes = kv.prompt_hashes(toks)
-    tagged = [h + TAGS[1] for h in hashes]
+    tagged = [group_key(h, 1) for h in hashes]
     assert kv.drain_events().stored == [*hashes, *tagged]
     tables = kv.block_tables(0)
     assert [kv.pool.lookup(h) for h in hashes] == tables[0][:2]
@@ -264,12 +139,12 @@ def test_one_groups_allocation_never_evicts_another_groups_hit_block():
     m = GroupedKVMachine()
     m.setup(policy="lru")
     first, other = PREFIXES[0], PREFIXES[1]
-    m.allocate(prefix=first, tail=[], salt=None)
+    m.allocate_prompt(first, [], None)
     m.kv.free(0)
     del m.tokens[0]
     for prefix, tail in ((other, [0] * 7), (first, [0] * 8), (first, [0, 0, 1, 0, 0, 0, 0, 0]),
                          (PREFIXES[2], [0] * 4), (first, [0, 0, 2, 0]), (other, [])):
-        m.allocate(prefix=prefix, tail=tail, salt=None)
+        m.allocate_prompt(prefix, tail, None)
         m.refcounts_equal_live_table_references()
         m.each_group_reads_what_its_queries_need_and_the_window_holds_little()
     last = m.kv.block_tables(m.next_id - 1)

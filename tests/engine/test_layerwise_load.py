@@ -207,7 +207,7 @@ def test_a_group_swapped_out_before_its_first_step_takes_its_store_kv_along(load
     sched = engine.scheduler
     out = SchedulerOutput()
     sched.running.remove(load.group)
-    sched._preempt(load.group, out)  # as a decode step short of blocks would
+    sched.preemption.preempt(load.group, out)  # as a decode step short of blocks would
     assert out.swap_out
     engine.kv_store.before_forward(out, KVEvents())
     engine.runner._move_blocks(out)

@@ -23,7 +23,7 @@ def _state(s: Scheduler) -> tuple:
         for g in [*s.running, *s.waiting, *s.swapped]
         for q in g.seqs
     ]
-    tables = {sid: (list(e.blocks), e.num_tokens, list(e.hashes), e.num_registered, [list(t) for t in e.tables],
+    tables = {sid: (e.num_tokens, list(e.hashes), e.num_registered, [list(t) for t in e.tables],
                     list(e.dead)) for sid, e in kv.seqs.items()}
     events = (list(pool.events.stored), list(pool.events.evicted), list(pool.events.evicted_block_ids))
     return (

@@ -1,4 +1,5 @@
-"""The one search every budget check of the scheduler makes: how much of something still fits."""
+"""The one search every budget check makes (the scheduler's chunks and decode steps, the KV
+manager's plain decode steps): how much of something still fits."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.sched.fit import largest_fitting
+from kvpool.core.fit import largest_fitting
 
 
 @given(st.integers(0, 5000), st.integers(-2, 5002))

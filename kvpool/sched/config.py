@@ -1,0 +1,40 @@
+"""The scheduler's configuration: one dataclass, validated in one place, read by every part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.errors import ConfigError
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "lru"
+    preemption_mode: str = "recompute"
+    num_host_blocks: int = 0
+    watermark: float = 0.01
+    namespace: str = ""
+    record_kv_events: bool = False
+    kv_group_windows: tuple[int | None, ...] = (None,)  # per layer group (kvpool/core/layer_groups.py)
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
