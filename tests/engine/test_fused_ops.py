@@ -181,8 +181,7 @@ def _q4_model(dtype: torch.dtype, windows: tuple):
                 p.normal_(0, 1)
             else:
                 p.copy_(_centered_q4_1(*p.shape, seed=i) if p.dim() == 2 else p.normal_(1, 0.2))
-    if dtype == BF16:
-        model.quant_groups = model_groups(model, "embed_tokens.weight")
+    model.quant_groups = model_groups(model, "embed_tokens.weight")  # as the loader finds a GGUF file's
     model = model.to(dtype)
     model.pack_cpu_weights(q4_kernels=True)
     return model

@@ -24,16 +24,17 @@ GROUP_BYTES_PER_WEIGHT = {"q4": 0.5 + 8 / GROUP, "int8": 1 + 4 / GROUP}
 
 def q4_quantize(weight: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor]:
     """((nibbles [N, K/2] uint8, scale [N, K/32], mins [N, K/32]), the float32 weights they
-    give): min-max levels 0..15 per group; byte j of a group holds q[j] and q[j + 16] (GGUF's order)."""
+    give): min-max levels 0..15 per group; byte j of a group holds q[j] and q[j + 16] (GGUF's order).
+    The values are `q * scale + min`, multiply then add, as the kernels compute them."""
     n, k = weight.shape
     groups = weight.detach().float().reshape(-1, GROUP)
-    low = groups.amin(-1)
-    scale = (groups.amax(-1) - low) / 15
-    q = torch.where(scale[:, None] > 0, (groups - low[:, None]) / scale[:, None], 0).round().clamp(0, 15)
-    values = (q * scale[:, None] + low[:, None]).reshape(n, k)
+    low = groups.amin(-1, keepdim=True)
+    scale = groups.amax(-1, keepdim=True).sub_(low).div_(15)
+    q = groups.sub(low).div_(torch.where(scale > 0, scale, 1)).round_().clamp_(0, 15)
+    values = groups.copy_(q).mul_(scale).add_(low).reshape(n, k)
     q = q.to(torch.uint8)
-    nibbles = (q[:, :16] | (q[:, 16:] << 4)).reshape(n, k // 2).contiguous()
-    return (nibbles, scale.reshape(n, k // GROUP).contiguous(), low.reshape(n, k // GROUP).contiguous()), values
+    nibbles = (q[:, :16] | (q[:, 16:] << 4)).reshape(n, k // 2)
+    return (nibbles, scale.reshape(n, k // GROUP), low.reshape(n, k // GROUP)), values
 
 
 def q8_quantize(weight: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
@@ -41,16 +42,34 @@ def q8_quantize(weight: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
     largest magnitude maps to 127."""
     n, k = weight.shape
     groups = weight.detach().float().reshape(-1, GROUP)
-    scale = groups.abs().amax(-1) / 127
-    q = torch.where(scale[:, None] > 0, groups / scale[:, None], 0).round().clamp(-127, 127)
-    values = (q * scale[:, None]).reshape(n, k)
-    return (q.to(torch.int8).reshape(n, k).contiguous(), scale.reshape(n, k // GROUP).contiguous()), values
+    scale = groups.abs().amax(-1, keepdim=True).div_(127)
+    q = groups.div(torch.where(scale > 0, scale, 1)).round_().clamp_(-127, 127)
+    values = groups.copy_(q).mul_(scale).reshape(n, k)
+    return (q.to(torch.int8).reshape(n, k), scale.reshape(n, k // GROUP)), values
+
+
+CHUNK = 1 << 18  # weights quantized at a time: the float32 temporaries stay small
+
+
+def quantize_weight(weight: Tensor, kind: str) -> tuple[Tensor, ...]:
+    """`weight`'s groups (q4 or int8), CHUNK weights at a time, the weight overwritten in place
+    with their values. A whole 1.7B model's float32 temporaries at once took ~140 s here, most
+    of it first touches of freshly mapped memory; chunks keep the peak at the weights + 1 MiB."""
+    n, k = weight.shape
+    project = q4_quantize if kind == "q4" else q8_quantize
+    rows = max(1, CHUNK // k)
+    parts: list[tuple[Tensor, ...]] = []
+    for start in range(0, n, rows):
+        block = weight[start : start + rows]
+        groups, values = project(block)
+        block.copy_(values)
+        parts.append(groups)
+    return tuple(torch.cat(p).contiguous() for p in zip(*parts, strict=True))
 
 
 def quantize_model(model: nn.Module, kind: str) -> dict[str, tuple[Tensor, ...]]:
     """Groups of every projection (`kind`) and of the LM head (Q8_0), by the names
     `pack_cpu_weights` looks them up under; each weight is replaced by its groups' values."""
-    project = q4_quantize if kind == "q4" else q8_quantize
     found: dict[str, tuple[Tensor, ...]] = {}
     skipped = []
     with torch.no_grad():
@@ -62,13 +81,11 @@ def quantize_model(model: nn.Module, kind: str) -> dict[str, tuple[Tensor, ...]]
                     if weight.shape[1] % GROUP:
                         skipped.append(name)
                         continue
-                    found[name], values = project(weight)
-                    weight.copy_(values)
+                    found[name] = quantize_weight(weight, kind)
         head_name = "embed_tokens.weight" if model.lm_head is None else "lm_head"
         head = model.get_parameter(head_name)
         if head.shape[1] % GROUP == 0:
-            found[head_name], values = q8_quantize(head)
-            head.copy_(values)
+            found[head_name] = quantize_weight(head, "int8")
         else:
             skipped.append(head_name)
     if skipped:
