@@ -43,6 +43,7 @@ from kvpool.serve.protocol import ChatCompletionRequest, CompletionRequest, chec
 from kvpool.serve.responses import sse_stream, unless_disconnected
 from kvpool.serve.sampling_map import set_controls
 from kvpool.serve.state import off_loop, tokenizer_pool
+from kvpool.serve.tools import ToolPlan
 
 OPEN_ROUTES = frozenset({"/health"})  # plus /metrics with --metrics-open
 
@@ -236,7 +237,10 @@ class Gateway:
         req.check()
         self.check_model(req.model)
         _check_supported(req.n, req.use_beam_search, req.logprobs, set_controls(req))
-        ids = await off_loop(self.pool, render_request, self.tokenizer, req)
+        plan = ToolPlan.of(req.tools, req.tool_choice, req.parallel_tool_calls, None)
+        if plan.mode != "none":  # a forced call is a constraint, parsing "auto" calls is the server's
+            raise InvalidRequest("the conductor does not relay tool calls", "tools")
+        ids = await off_loop(self.pool, render_request, self.tokenizer, req, plan)
         salt = request_salt(raw, req.cache_salt, req.cache_scope)
         relay = self.relay_for(ids, req, req.requested_max_tokens, salt, "chatcmpl")
         obj = "chat.completion.chunk" if req.stream else "chat.completion"

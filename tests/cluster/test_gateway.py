@@ -129,6 +129,19 @@ def test_rejects_what_it_cannot_serve_in_openai_shape(cluster: LocalCluster) -> 
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
 
 
+def test_a_chat_through_the_conductor_equals_a_single_engines_chat(cluster: LocalCluster, reference: LLM) -> None:
+    messages = [{"role": "user", "content": "Name three colours."}]
+    r = httpx.post(cluster.conductor_url + "/v1/chat/completions", headers=AUTH, timeout=120,
+                   json={"messages": messages, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    want = reference.chat(messages, SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = httpx.post(cluster.conductor_url + "/v1/chat/completions", headers=AUTH,
+                   json={"messages": messages, "tools": [tool], "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
 def test_the_conductor_and_the_instances_internal_routes_need_their_keys(cluster: LocalCluster) -> None:
     for path in ("/cluster", "/metrics", "/v1/models"):
         assert httpx.get(cluster.conductor_url + path).status_code == 401, path
