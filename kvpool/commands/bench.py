@@ -1,4 +1,4 @@
-"""`kvpool bench core | throughput | long-context | serve | profile | overhead | kvstore | kv-accuracy | cluster | swa`."""
+"""`kvpool bench core | throughput | long-context | serve | profile | overhead | kvstore | kv-accuracy | cluster | swa | determinism`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ BENCHES = {
     "kv-accuracy": "kvpool.bench.kv_accuracy",
     "cluster": "kvpool.bench.cluster",
     "swa": "kvpool.bench.swa",
+    "determinism": "kvpool.bench.determinism",
 }
 
 

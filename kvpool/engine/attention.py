@@ -2,8 +2,11 @@
 
 Every layer first writes the step's new K/V into their slots, then attends, so a sequence may
 read a block another sequence of the same batch has just written (shared prefix blocks).
-CPU path: a native kernel (kernels/paged_attention.cpp) runs decode rows and short prefill
-chunks, each row reading only its own context through its block table. Chunks of `SDPA_MIN`
+CPU path: a native kernel (kernels/paged_attention.cpp) runs decode rows and prefill chunks,
+each row reading only its own context through its block table, its keys in tiles and parts at
+fixed positions: a row's result is the same bits whether its keys were computed in this step,
+an earlier chunk or came from a cache hit (docs/determinism.md). With KVPOOL_BATCH_INVARIANT=0
+(for comparison only), chunks of `SDPA_MIN`
 tokens or more keep SDPA's fused kernel (matmul-bound there; the kernel wins below 48-64 tokens,
 measured): fresh prompts on the new K/V, chunks over a cached prefix on their own gathered
 blocks, a copy of O(context) amortized over >= SDPA_MIN query rows (unmasked against the
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvpool.engine.kernels import paged_attention_available
+from kvpool.engine.kernels import batch_invariant, paged_attention_available
 from kvpool.engine.kv_quant import is_quantized, kv_values, quantize
 from kvpool.errors import InvalidRequest
 
@@ -171,7 +174,9 @@ class AttentionMetadata:
                 continue
             s, start = seq_lens[i], qsl[i]
             prefills.append(PrefillChunk(i, start, start + q, s, -(-s // block_size)))
-        sdpa_chunks = [j for j, c in enumerate(prefills) if c.end - c.start >= SDPA_MIN]
+        # batch-invariant: every chunk on the native kernel, whose sums follow a row's own positions
+        sdpa_min = SDPA_MIN if not batch_invariant() else None
+        sdpa_chunks = [j for j, c in enumerate(prefills) if sdpa_min is not None and c.end - c.start >= sdpa_min]
         on_sdpa = {prefills[j].seq for j in sdpa_chunks}
         native = [i for i in range(num_seqs) if i not in on_sdpa]
         parts = (slots, qsl, seq_lens, positions, token_seq, [qsl[i] for i in dec], dec_ids,

@@ -20,6 +20,15 @@ needs_kernel = pytest.mark.skipif(not q4_linear_available(), reason="no C++ comp
 needs_amx = pytest.mark.skipif(not q4_amx_available(), reason="no AMX here (or the kernel has none): see the log")
 
 
+@pytest.fixture(autouse=True)
+def per_row_count_kernels(monkeypatch):
+    """These tests cover the per-row-count kernels (KVPOOL_BATCH_INVARIANT=0); the invariant
+    path has its own tests (test_batch_invariance.py)."""
+    from kvpool.engine.models import llama
+
+    monkeypatch.setattr(llama, "batch_invariant", lambda: False)
+
+
 def q4_1_weight(n: int, k: int, seed: int = 0, top: int = 15) -> torch.Tensor:
     """A float weight made the way GGUF's Q4_1 dequantizes: float16 scale and min per 32."""
     gen = torch.Generator().manual_seed(seed)

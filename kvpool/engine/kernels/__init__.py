@@ -86,6 +86,24 @@ def _available(name: str, source: Path, what: str, fallback: str, switch: str | 
 
 
 @cache
+def batch_invariant() -> bool:
+    """Whether every row's result must be a function of that row alone (docs/determinism.md):
+    the default. `KVPOOL_BATCH_INVARIANT=0` keeps the earlier per-row-count kernels, for
+    measuring what invariance costs."""
+    on = os.environ.get("KVPOOL_BATCH_INVARIANT", "1") != "0"
+    if not on:
+        logger.warning("KVPOOL_BATCH_INVARIANT=0: a request's results may depend on what it is batched with")
+    return on
+
+
+@cache
+def q4_lanes_available() -> bool:
+    """`torch.ops.kvpool.q4_repack` / `q8_repack` and the lanes kernels: bf16 rows over 4-bit
+    and 8-bit groups in oneDNN's summation order (AVX512-BF16 builds)."""
+    return q4_linear_available() and bool(torch.ops.kvpool.lanes_available())
+
+
+@cache
 def q4_linear_available() -> bool:
     """`torch.ops.kvpool.q4_linear` / `q8_linear`: 4-bit and 8-bit grouped weights."""
     return _available("kvpool_kernels", SOURCE, "4-bit kernels", "dense float weights")

@@ -14,6 +14,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -31,6 +33,16 @@ using bf16 = c10::BFloat16;
 constexpr int64_t kRowsPerThread = 64;
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+// Batch-invariant (docs/determinism.md; KVPOOL_BATCH_INVARIANT=0 turns it off for comparison):
+// every row sums its squares in lanes, whatever the step's row count.
+bool batch_invariant() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVPOOL_BATCH_INVARIANT");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
 
 #ifdef __AVX512F__
 inline __m512 load16(const bf16* p) {
@@ -53,8 +65,8 @@ inline void store16(bf16* p, __m512 rounded) {
 // bf16: the sum and the normalized row rounded to bf16 before the weight multiplies, the product
 // rounded again (torch's `weight * normed.to(bf16)`). float32: each product rounded once, as
 // torch's float32 ops (built without contraction); only the summation order of the squares differs.
-// `lanes`: sum the squares in 16 float32 lanes (prefill steps); otherwise in one running sum,
-// element by element, as decode steps always have (their tokens stay those of earlier builds).
+// `lanes`: sum the squares in 16 float32 lanes (every row when batch-invariant, else prefill
+// steps); otherwise in one running sum, element by element (decode steps of earlier builds).
 template <class T>
 void norm_row(const T* x, const T* residual, const T* w, float eps, int64_t n, T* out, T* sum_out, float* scratch,
               bool lanes) {
@@ -115,7 +127,7 @@ template <class T>
 void norm_rows(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps,
                at::Tensor& out, at::Tensor& sum) {
   const int64_t rows = x.size(0), n = x.size(1);
-  const bool add = residual.has_value(), lanes = rows > kRowsPerThread;
+  const bool add = residual.has_value(), lanes = batch_invariant() || rows > kRowsPerThread;
   const T* wp = weight.data_ptr<T>();
   at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(n);

@@ -3,7 +3,8 @@
 // whole contexts). One work unit is (sequence, KV head, a tile of query tokens): the G query
 // heads of a KV head and up to 16 rows share each K/V tile read (GQA without repeats). Keys are
 // visited in tiles of 32 positions with an online softmax; long units are split across threads
-// (flash-decoding) and their partial (max, sum, acc) are merged with log-sum-exp weights.
+// (flash-decoding) at fixed positions and their partial (max, sum, acc) merged with log-sum-exp
+// weights in order, so a row's result is the same whatever shares its step.
 //
 // AVX-512 path: K/V rows are read in place from fp32 caches and, with AVX512-BF16 and bf16
 // queries, from bf16 caches (q.k by dpbf16: products of bf16 values are exact in fp32, only the
@@ -35,7 +36,7 @@ using namespace kvpool_vec;  // exp16, exp8
 
 constexpr int64_t kTile = 32;       // key positions per tile (one online-softmax step)
 constexpr int64_t kRowsTarget = 16;  // query rows (tokens x group) a unit aims for
-constexpr int64_t kMinSplit = 256;   // never split a context into parts shorter than this
+constexpr int64_t kSplit = 512;      // a context's parts end at multiples of this (flash-decoding)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kScaleBytes = 4;  // the float32 scale after a quantized row's D values
 
@@ -804,32 +805,28 @@ void write_rows(const Problem& p, const Unit& u, const float* rows_out) {
   }
 }
 
+// Units of up to kRowsTarget rows; each unit's keys in items that end at fixed positions (the
+// multiples of kSplit), tiles from a multiple of kTile: a row's sums follow its own positions
+// only, never the batch or the thread count (docs/determinism.md).
 void plan(const Problem& p, const int64_t* seqs, int64_t num_seqs, std::vector<Unit>& units, std::vector<Item>& items) {
   const int64_t tokens_per_unit = std::max<int64_t>(1, kRowsTarget / p.group);
-  double total = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t s = seqs[i], qlen = p.query_start[s + 1] - p.query_start[s], slen = p.seq_lens[s];
     for (int64_t tok0 = 0; tok0 < qlen; tok0 += tokens_per_unit) {
       const int64_t ntok = std::min(tokens_per_unit, qlen - tok0);
       const int64_t first = slen - qlen + tok0, last = first + ntok - 1;
-      const int64_t lo = p.window ? std::max<int64_t>(0, first - p.window + 1) : 0;
-      for (int64_t h = 0; h < p.kv_heads; ++h) {
-        units.push_back({s, h, tok0, ntok, lo, last + 1, 1, 0});
-        total += static_cast<double>(ntok) * (last + 1 - lo);
-      }
+      const int64_t lo = p.window ? std::max<int64_t>(0, first - p.window + 1) / kTile * kTile : 0;
+      for (int64_t h = 0; h < p.kv_heads; ++h) units.push_back({s, h, tok0, ntok, lo, last + 1, 1, 0});
     }
   }
-  // Split a unit when it alone is more than 1/8 of a thread's share of the step.
-  const double share = total / (8.0 * std::max(1, at::get_num_threads()));
   for (auto& u : units) {
-    const int64_t keys = u.hi - u.lo;
-    const double work = static_cast<double>(u.ntok) * keys;
-    int64_t parts = std::min<int64_t>(keys / kMinSplit, static_cast<int64_t>(std::ceil(work / std::max(share, 1.0))));
-    parts = std::max<int64_t>(parts, 1);
-    const int64_t len = ((keys + parts - 1) / parts + kTile - 1) / kTile * kTile;
-    u.nsplit = (keys + len - 1) / len;
     u.first_item = static_cast<int64_t>(items.size());
-    for (int64_t k = u.lo; k < u.hi; k += len) items.push_back({static_cast<int64_t>(&u - units.data()), k, std::min(u.hi, k + len)});
+    for (int64_t k = u.lo; k < u.hi;) {
+      const int64_t end = std::min(u.hi, (k / kSplit + 1) * kSplit);
+      items.push_back({static_cast<int64_t>(&u - units.data()), k, end});
+      k = end;
+    }
+    u.nsplit = static_cast<int64_t>(items.size()) - u.first_item;
   }
 }
 

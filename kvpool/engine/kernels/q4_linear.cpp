@@ -25,6 +25,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "q4_nlanes.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVPOOL_AMX 1
 #include <cpuid.h>
@@ -303,6 +304,9 @@ at::Tensor linear_f32(const Fmt& f, const at::Tensor& x, int64_t n_out) {
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
+#ifdef KVPOOL_NLANES
+  if (qs.dim() == 4) return kvpool_nlanes::q4_linear(x, qs, scale, mins);  // groups from q4_repack
+#endif
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "q4_linear: x must be float32 or bfloat16");
   if (x.scalar_type() == at::kFloat) return linear_f32(q4_format(x, qs, scale, mins), x, qs.size(0));
@@ -310,6 +314,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+#ifdef KVPOOL_NLANES
+  if (qs.dim() == 4) return kvpool_nlanes::q8_linear(x, qs, scale);  // groups from q8_repack
+#endif
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "q8_linear: x must be float32 or bfloat16");
   if (x.scalar_type() == at::kFloat) return linear_f32(q8_format(x, qs, scale), x, qs.size(0));
@@ -520,6 +527,25 @@ at::Tensor linear_amx(const Fmt&, const at::Tensor&, int64_t) {
 
 std::string amx_unavailable() { return amx_unavailable_reason(); }
 
+// The lanes layout (q4_nlanes.h): bf16 rows in oneDNN's summation order, K blocks of `kblock`.
+#ifdef KVPOOL_NLANES
+bool lanes_available() { return true; }
+std::vector<at::Tensor> q4_repack(const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins, int64_t kblock) {
+  return kvpool_nlanes::q4_repack(qs.contiguous(), scale.contiguous(), mins.contiguous(), kblock);
+}
+std::vector<at::Tensor> q8_repack(const at::Tensor& qs, const at::Tensor& scale, int64_t kblock) {
+  return kvpool_nlanes::q8_repack(qs.contiguous(), scale.contiguous(), kblock);
+}
+#else
+bool lanes_available() { return false; }
+std::vector<at::Tensor> q4_repack(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "q4_repack: the kernel was built without AVX512-BF16");
+}
+std::vector<at::Tensor> q8_repack(const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "q8_repack: the kernel was built without AVX512-BF16");
+}
+#endif
+
 at::Tensor q4_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "q4_linear_amx: x must be bfloat16");
   const Q4Format f = q4_format(x, qs, scale, mins);
@@ -540,10 +566,15 @@ TORCH_LIBRARY(kvpool, m) {
   m.def("q4_linear_amx(Tensor x, Tensor qs, Tensor scale, Tensor mins) -> Tensor");
   m.def("q8_linear_amx(Tensor x, Tensor qs, Tensor scale) -> Tensor");
   m.def("amx_unavailable() -> str", amx_unavailable);
+  m.def("lanes_available() -> bool", lanes_available);
+  m.def("q4_repack(Tensor qs, Tensor scale, Tensor mins, int kblock) -> Tensor[]");
+  m.def("q8_repack(Tensor qs, Tensor scale, int kblock) -> Tensor[]");
 }
 TORCH_LIBRARY_IMPL(kvpool, CPU, m) {
   m.impl("q4_linear", q4_linear);
   m.impl("q8_linear", q8_linear);
   m.impl("q4_linear_amx", q4_linear_amx);
   m.impl("q8_linear_amx", q8_linear_amx);
+  m.impl("q4_repack", q4_repack);
+  m.impl("q8_repack", q8_repack);
 }

@@ -18,10 +18,10 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from kvpool.engine.attention import AttentionMetadata, KVCache, paged_attention, write_kv
-from kvpool.engine.kernels import decode_loop_available, q4_linear_available
+from kvpool.engine.kernels import batch_invariant, decode_loop_available, q4_linear_available
 from kvpool.engine.models import fused
 from kvpool.engine.models.config import ModelConfig, rope_inv_freq
-from kvpool.engine.models.quantized import Q4Linear, Q8Linear, q4_groups, q8_groups, row_limits
+from kvpool.engine.models.quantized import Q4Linear, Q8Linear, lanes_groups, row_limits
 from kvpool.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -312,6 +312,7 @@ class PackedLinear(nn.Module):
 # the rows (measured, one thread), most of an 8-row projection's time but under a tenth of a
 # 256-row one's, so larger buckets build on first use. Building all 49 took 7 s a process.
 WARM_UP_ROWS = 256
+WARM_UP_LAYER_WEIGHTS = 3_538_944  # ... for a layer of this many weights (SmolLM2-135M's)
 
 
 class FrozenLinear(nn.Module):
@@ -355,8 +356,8 @@ class LlamaForCausal(nn.Module):
         self._packed_head: PackedLinear | Q8Linear | None = None
         self.q4_rows = 0  # batches up to this many rows run on 4-bit weights
         self.before_layer: Callable[[int], None] | None = None  # layer-wise KV load: wait for layer i's KV
-        # Exact quantized groups the loader found (module name -> groups): before a bf16 cast
-        # rounds the weights, and a GGUF file's from its cache
+        # Quantized groups from the loader (module name -> groups): a GGUF file's exact ones,
+        # or an HF checkpoint's quantized on request; none are recovered here
         self.quant_groups: dict[str, tuple[Tensor, ...]] = {}
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
@@ -425,39 +426,55 @@ class LlamaForCausal(nn.Module):
         are loaded (a plain frozen copy where oneDNN cannot pack the dtype: bf16 on AVX2);
         the embedding table stays as it is for the lookup. With `q4_kernels`, a projection
         whose weights are exactly 4-bit groups also keeps those for small batches, and the LM
-        head its exact Q8_0 groups (float32 or bfloat16)."""
+        head its exact Q8_0 groups (float32 or bfloat16). Batch-invariant (the default, see
+        `kernels.batch_invariant`): groups serve only where their kernel gives the dense
+        GEMM's bits (bf16 lanes kernels, `lanes_groups`), so the row count never changes a row."""
         if self._packed_head is not None:
             return
         dense_linear = PackedLinear if can_pack_weights("cpu", self.embed_tokens.weight.dtype) else FrozenLinear
         q4_kernels = q4_kernels and q4_linear_available()
         bf16 = self.embed_tokens.weight.dtype == torch.bfloat16
-        vector_rows, max_rows = row_limits(bf16) if q4_kernels else (0, 0)
+        invariant = batch_invariant()
+        if invariant and not (bf16 and dense_linear is PackedLinear):
+            q4_kernels = False  # no kernel reproduces the float32 (or unpacked) GEMM's order
+        vector_rows, max_rows = row_limits(bf16, invariant=invariant) if q4_kernels else (0, 0)
         served_q4 = 0
+
+        def exact(name: str, dense: nn.Module, sizes: tuple[int, ...]) -> tuple[Tensor, ...] | None:
+            groups = self.quant_groups.pop(name, None)  # dropped as they are repacked, not all at the end
+            if not q4_kernels or groups is None or len(groups) not in sizes:
+                return None
+            if invariant:
+                return lanes_groups(dense, groups) if getattr(dense, "bias", None) is None else None
+            return groups
+
         for i, layer in enumerate(tqdm(self.layers, desc="packing weights", unit="layer", leave=False, disable=None)):
             attn, mlp = layer.self_attn, layer.mlp
             for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
                 lin = getattr(owner, name)
                 packed: nn.Module = dense_linear(lin.weight, lin.bias)
-                groups = self._exact_groups(f"layers.{i}.{'self_attn' if owner is attn else 'mlp'}.{name}",
-                                            lin.weight, bf16, q4_groups) if q4_kernels else None
-                if groups is not None and len(groups) == 3:
-                    packed, served_q4 = Q4Linear(packed, groups, packed.bias, max_rows, vector_rows), served_q4 + 1
+                key = f"layers.{i}.{'self_attn' if owner is attn else 'mlp'}.{name}"
+                groups = exact(key, packed, (3, 2))  # Q4_1, or Q8_0 (int8 on load)
+                if groups is not None:
+                    kind = Q4Linear if len(groups) == 3 else Q8Linear
+                    packed, served_q4 = kind(packed, groups, packed.bias, max_rows, vector_rows), served_q4 + 1
                 setattr(owner, name, packed)
         head_name = "embed_tokens.weight" if self.lm_head is None else "lm_head"
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         self._packed_head = dense_linear(head, None)
-        head_groups = self._exact_groups(head_name, head, bf16, q8_groups) if q4_kernels else None
-        if head_groups is not None and len(head_groups) == 2:
-            head_vector, head_max = row_limits(bf16, head=True)
+        head_groups = exact(head_name, self._packed_head, (2,))
+        if head_groups is not None:
+            head_vector, head_max = row_limits(bf16, head=True, invariant=invariant)
             self._packed_head = Q8Linear(self._packed_head, head_groups, None, head_max, head_vector)
         self.quant_groups = {}
         self.q4_rows = max_rows if served_q4 else 0
         self._loop = self._decode_loop()
         if q4_kernels:
-            logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups%s",
+            logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups%s%s",
                         served_q4, 4 * len(self.layers), max_rows,
                         f"; the LM head <= {self._packed_head.max_rows} rows from 8-bit groups"
-                        if isinstance(self._packed_head, Q8Linear) else "")
+                        if isinstance(self._packed_head, Q8Linear) else "",
+                        " (bit for bit the dense GEMM's results)" if invariant else "")
             logger.info("decode-sized steps run %s", "the native layer loop" if self._loop else "the Python layer loop")
 
     def _decode_loop(self) -> fused.DecodeLoop | None:
@@ -489,20 +506,16 @@ class LlamaForCausal(nn.Module):
             attn.num_heads, attn.num_kv_heads, attn.scale, attn.softcap or 0.0, eps.pop(), attn.qkv_proj,
         )
 
-    def _exact_groups(
-        self, name: str, weight: Tensor, bf16: bool, recover: Callable[[Tensor], tuple[Tensor, ...] | None]
-    ) -> tuple[Tensor, ...] | None:
-        """A weight's exact groups: those the loader found (it looks at every weight, or none),
-        else recovered from the float32 weight now; a bf16 model has no float32 weights left."""
-        if self.quant_groups or bf16:
-            return self.quant_groups.get(name)
-        return recover(weight)
-
     def warm_up_packed(self, max_tokens: int, max_logit_rows: int) -> None:
-        """Pre-build oneDNN kernels for the padded sizes a step can produce up to WARM_UP_ROWS
-        (one layer's projections suffice: kernels are shared by shape)."""
-        # the LM head is ~16x a projection: its build is a tenth of its matmul by ~32 rows
-        max_tokens, max_logit_rows = min(max_tokens, WARM_UP_ROWS), min(max_logit_rows, WARM_UP_ROWS // 4)
+        """Pre-build oneDNN kernels for the padded sizes a step can produce up to WARM_UP_ROWS,
+        fewer for layers larger than SmolLM2-135M's (one layer's projections suffice: kernels
+        are shared by shape)."""
+        # the LM head is ~16x a projection: its build is a tenth of its matmul by ~32 rows. A
+        # larger model's matmuls outgrow the build sooner: the limits shrink with its layer.
+        c = self.config
+        layer_weights = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
+        rows = max(8, WARM_UP_ROWS * WARM_UP_LAYER_WEIGHTS // layer_weights)
+        max_tokens, max_logit_rows = min(max_tokens, rows), min(max_logit_rows, max(8, rows // 4))
         layer = self.layers[0]
         lins = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         for lin in tqdm(lins, desc="building CPU kernels", unit="shape", leave=False, disable=None):

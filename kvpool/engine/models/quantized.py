@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kvpool.engine.kernels import q4_amx_available
+from kvpool.engine.kernels import q4_amx_available, q4_lanes_available
 
 GROUP = 32
 # Above these a batch is compute-bound and the dense packed GEMM (AMX under bf16) is faster:
@@ -34,11 +34,17 @@ AMX_MAX_ROWS_BF16 = 32  # the AMX kernel, above MAX_ROWS_BF16
 # The head's AMX kernel lost to oneDNN at every row count measured (its 56 MB bf16 copy stays
 # in this CPU's 300 MB L3): off until a machine shows otherwise.
 HEAD_AMX_MAX_ROWS_BF16 = HEAD_MAX_ROWS_BF16
+LANES_MAX_ROWS_BF16 = 8  # the batch-invariant lanes kernels (their bits equal the dense GEMM's)
+LANES_HEAD_MAX_ROWS_BF16 = 4
 
 
-def row_limits(bf16: bool, head: bool = False) -> tuple[int, int]:
+def row_limits(bf16: bool, head: bool = False, invariant: bool = False) -> tuple[int, int]:
     """(rows up to which the vector kernel runs, rows up to which the groups serve at all):
-    the AMX kernel takes the rows between, where this CPU and kernel build have it."""
+    the AMX kernel takes the rows between, where this CPU and kernel build have it. Batch-
+    invariant: the bf16 lanes kernels (no AMX: its tiles sum in their own order)."""
+    if invariant:
+        rows = LANES_HEAD_MAX_ROWS_BF16 if head else LANES_MAX_ROWS_BF16
+        return rows, rows
     if not bf16:
         return (HEAD_MAX_ROWS, HEAD_MAX_ROWS) if head else (MAX_ROWS, MAX_ROWS)
     if head:
@@ -129,6 +135,44 @@ def model_groups(model: nn.Module, head: str) -> dict[str, tuple[Tensor, ...]]:
     if head_groups is not None:
         found[head] = head_groups
     return found
+
+
+# oneDNN's K block for a shape (all of K, or a block it chose): the lanes kernels try these in
+# order and keep the first that reproduces the dense GEMM bit for bit (None: all of K).
+K_BLOCKS = (None, 512, 256, 384, 768, 1024, 1536, 2048, 128, 64)
+PROBE_ROWS = 48
+_kblock_by_shape: dict[tuple[int, int, int], int | None] = {}
+
+
+def lanes_groups(dense: nn.Module, groups: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
+    """`groups` repacked for the lanes kernels (kernels/q4_nlanes.h) in the K block whose bf16
+    results equal `dense`'s (the oneDNN GEMM) bit for bit on probe rows, so a projection's
+    bits do not depend on which of the two a step's row count picks; None where no block does
+    (the projection then stays dense for every row count)."""
+    n, k = groups[1].shape[0], groups[1].shape[1] * GROUP
+    if not q4_lanes_available() or n % 16:
+        return None
+    ops = torch.ops.kvpool
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    x = torch.randn(PROBE_ROWS, k, generator=gen).bfloat16()
+    want = dense(x)
+    key = (len(groups), n, k)
+    known = _kblock_by_shape.get(key, K_BLOCKS[0])
+    tried = (known, *(b for b in K_BLOCKS if b != known))
+    for block in tried:
+        kblock = k if block is None else block
+        if kblock > k and block is not None:
+            continue
+        if len(groups) == 3:
+            packed = tuple(ops.q4_repack(*groups, kblock))
+            got = ops.q4_linear(x, *packed)
+        else:
+            packed = tuple(ops.q8_repack(*groups, kblock))
+            got = ops.q8_linear(x, *packed)
+        if torch.equal(got, want):
+            _kblock_by_shape[key] = block
+            return packed
+    return None
 
 
 class Q4Linear(nn.Module):

@@ -1,0 +1,121 @@
+"""A request's greedy tokens and logprobs are the same bits whatever it is batched with, however
+its prompt is chunked and wherever its prefix KV came from (docs/determinism.md), in bf16 (the
+default dtype here) and float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from test_engine import assert_no_leak
+
+from kvpool.bench.determinism import greedy, random_prompts, serve, serve_beside
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.engine import Engine
+from kvpool.engine.kernels import batch_invariant, q4_lanes_available
+from kvpool.engine.loader import load_model
+from kvpool.engine.models.llama import PackedLinear, can_pack_weights, row_bucket
+from kvpool.engine.models.quantized import Q4Linear, Q8Linear, lanes_groups, q4_groups, q8_groups
+
+pytestmark = pytest.mark.skipif(not batch_invariant(), reason="KVPOOL_BATCH_INVARIANT=0")
+needs_lanes = pytest.mark.skipif(not q4_lanes_available(), reason="no AVX512-BF16 lanes kernels on this CPU")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@pytest.fixture(scope="module", params=list(DTYPES))
+def model(request):
+    return request.param, load_model(None, dtype=DTYPES[request.param])
+
+
+def _engine(loaded, dtype: str, **kw) -> Engine:
+    return Engine(EngineConfig(**{"dtype": dtype, "num_blocks": 1024, "block_size": 16, **kw}), loaded=loaded)
+
+
+def _exact_weight(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    groups = k // 32
+    if bits == 4:
+        q = torch.randint(0, 16, (n, groups, 32), generator=gen).float()
+        q[:, :, 0], q[:, :, 1] = 0, 15
+        d = (torch.rand(n, groups, 1, generator=gen) * 0.05).half().float()
+        m = (-torch.rand(n, groups, 1, generator=gen) * 0.3).half().float()
+        return (q * d + m).reshape(n, k)
+    q = torch.randint(-127, 128, (n, groups, 32), generator=gen).float()
+    q[:, :, 0] = 127
+    d = (torch.rand(n, groups, 1, generator=gen) * 0.01).half().float()
+    return (q * d).reshape(n, k)
+
+
+@needs_lanes
+@pytest.mark.skipif(not can_pack_weights("cpu", torch.bfloat16), reason="oneDNN has no bf16 GEMM here")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(960, 288), (576, 768), (3072, 288), (64, 1536)])
+def test_grouped_kernels_give_the_dense_gemms_bits_at_every_row_count(bits, shape):
+    """4-bit / 8-bit rows and the dense oneDNN GEMM are interchangeable: the same bits."""
+    w = _exact_weight(*shape, bits, seed=shape[0])
+    groups = q4_groups(w) if bits == 4 else q8_groups(w)
+    dense = PackedLinear(w.bfloat16(), None)
+    lanes = lanes_groups(dense, groups)
+    assert lanes is not None
+    lin = (Q4Linear if bits == 4 else Q8Linear)(dense, lanes, None, max_rows=8)
+    x = torch.randn(70, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = dense(x)
+    for rows in (1, 2, 3, 5, 8, 9, 16, 33, 70):
+        assert torch.equal(lin(x[:rows]), want[:rows]), rows
+
+
+@pytest.mark.skipif(not can_pack_weights("cpu", torch.float32), reason="no oneDNN")
+@pytest.mark.parametrize("dtype", list(DTYPES.values()))
+def test_dense_gemm_rows_do_not_depend_on_the_row_count(dtype):
+    """oneDNN's packed GEMM, on the bundled model's shapes: a row's bits are the same alone or
+    in any row bucket (what the invariant path relies on; checked, not assumed)."""
+    if dtype == torch.bfloat16 and not can_pack_weights("cpu", dtype):
+        pytest.skip("oneDNN has no bf16 GEMM here")
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
+        lin = PackedLinear(torch.randn(n, k, generator=gen).to(dtype), None)
+        x = torch.randn(600, k, generator=gen).to(dtype)
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(0, 600, 37)])
+        for rows in sorted({row_bucket(m) for m in range(1, 601)}):
+            got = lin(x[:rows])[: rows : 37]
+            assert torch.equal(got, alone[: got.shape[0]]), (n, k, rows)
+
+
+@settings(max_examples=3, deadline=None, phases=[Phase.explicit, Phase.generate],  # no shrinking: minutes a step
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(others=st.integers(0, 48), chunk=st.sampled_from([16, 48, 96, 2048]), max_seqs=st.integers(1, 64),
+       seed=st.integers(0, 2**16), joins_after=st.integers(0, 3))
+def test_greedy_tokens_and_logprobs_do_not_depend_on_the_batch(model, others, chunk, max_seqs, seed, joins_after):
+    dtype, loaded = model
+    rng = np.random.default_rng(seed)
+    vocab = loaded.config.vocab_size
+    target = random_prompts(rng, vocab, 1, 20, 120)[0]
+    params = greedy(4)
+    solo = serve(_engine(loaded, dtype), [target], params)[0]
+    engine = _engine(loaded, dtype, max_num_batched_tokens=chunk, max_num_seqs=max_seqs)
+    got = serve_beside(engine, target, random_prompts(rng, vocab, others, 1, 160), params, others_first=joins_after)
+    assert got == solo
+    assert_no_leak(engine)
+
+
+def test_prefix_hit_recompute_and_swap_give_the_cold_runs_bits(model):
+    dtype, loaded = model
+    rng = np.random.default_rng(7)
+    vocab = loaded.config.vocab_size
+    targets = random_prompts(rng, vocab, 2, 14, 22)
+    params = greedy(16)
+    cold = [serve(_engine(loaded, dtype, block_size=4), [t], params)[0] for t in targets]
+    warm = _engine(loaded, dtype, block_size=4, max_num_batched_tokens=8)
+    for t in targets:  # another request computes all but the last few prompt tokens, in other steps
+        serve(warm, [t[:-5] + [1, 2, 3]], params)
+    assert [serve(warm, [t], params)[0] for t in targets] == cold
+    assert_no_leak(warm)
+    crowd = random_prompts(rng, vocab, 4, 8, 16)
+    for mode in ("recompute", "swap"):
+        engine = _engine(loaded, dtype, block_size=4, num_blocks=16, preemption_mode=mode, swap_space="16MiB")
+        got = serve(engine, targets + crowd, params)[: len(targets)]
+        assert engine.scheduler.num_preemptions >= 1
+        assert got == cold, mode
+        assert_no_leak(engine)
