@@ -138,6 +138,10 @@ class Scheduler:
                 param="max_tokens" if prompt_len < self.config.max_model_len else "prompt",
             )
         width = group.params.num_samples
+        if width > self.config.max_num_seqs:  # a group runs all its sequences in one batch: it would wait forever
+            name = "best_of" if group.params.best_of else "n"
+            raise InvalidRequest(f"{name}={width} sequences cannot run in one batch of at most "
+                                 f"{self.config.max_num_seqs} (max_num_seqs)", param=name)
         chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else None
         blocks = width * self.kv.max_blocks(prompt_len, total, chunk)
         if blocks > self.config.num_blocks:

@@ -189,11 +189,6 @@ class AsyncEngine:
         if self.max_queue is not None and len(prompts) > self.max_queue:  # never admissible: no retry helps
             raise InvalidRequest(f"the request holds {len(prompts)} prompts; this server queues at most "
                                  f"{self.max_queue} (--max-queue): send fewer per request", param="prompt")
-        max_seqs = self.engine.scheduler.config.max_num_seqs
-        if params.num_samples > max_seqs:  # a group runs all its sequences in one batch: it would wait forever
-            name = "best_of" if params.best_of else "n"
-            raise InvalidRequest(f"{name}={params.num_samples} sequences cannot run in one batch of at most "
-                                 f"{max_seqs} (--max-num-seqs)", param=name)
         loop = asyncio.get_running_loop()
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         sink: asyncio.Queue = asyncio.Queue()

@@ -11,7 +11,9 @@ import pytest
 from conftest import AUTH
 
 from kvpool.errors import InvalidRequest, Overloaded
+from kvpool.sched.request import SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
+from kvpool.sched.scheduler import Scheduler, SchedulerConfig
 from kvpool.serve.async_engine import AsyncEngine, _Add
 from kvpool.serve.metrics import ServerMetrics
 
@@ -76,8 +78,10 @@ def test_a_request_the_queue_could_never_hold_is_refused_before_it_is_queued():
 
 @pytest.mark.parametrize(("fields", "param"), [({"n": 9}, "n"), ({"n": 2, "best_of": 9}, "best_of")])
 def test_more_samples_than_one_batch_holds_is_refused_by_name(fields, param):
-    # a group's samples run in one batch: 9 of them under --max-num-seqs 8 would wait forever
-    engine = AsyncEngine(_Waiting(0), ServerMetrics("m"), max_queue=4)
-    with pytest.raises(InvalidRequest, match="--max-num-seqs") as e:
-        asyncio.run(engine.submit("r", [[1]], SamplingParams(max_tokens=1, temperature=1.0, **fields), 0.0))
-    assert e.value.param == param and engine._commands.empty()
+    # a group's samples run in one batch: 9 of them under max_num_seqs 8 would wait forever, in the
+    # server and in the offline LLM alike (both reach the scheduler's add_request)
+    sched = Scheduler(SchedulerConfig(num_blocks=64, max_num_seqs=8))
+    params = SamplingParams(max_tokens=1, temperature=1.0, **fields)
+    with pytest.raises(InvalidRequest, match="max_num_seqs") as e:
+        sched.add_request(SequenceGroup("r", [sched.new_sequence([1, 2])], params, 0.0))
+    assert e.value.param == param and not sched.waiting and not sched.groups
