@@ -8,6 +8,7 @@ import logging
 from kvpool.cluster.predictor import LinearPredictor, StepTimePredictor, TransferCost
 from kvpool.cluster.records import POLICIES, REJECTIONS, ConductorConfig
 from kvpool.serve.auth import add_auth_arguments, api_keys_from_args
+from kvpool.serve.cli import add_connection_arguments, server_config
 from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES
 from kvpool.sizes import parse_bytes
 
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
                    help="largest request body accepted; larger ones get 413 (default: 4 MiB)")
     s.add_argument("--served-model-name", default=None)
+    add_connection_arguments(s)
 
 
 def predictor_from(profile: str | None) -> StepTimePredictor:
@@ -78,5 +80,5 @@ def main(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     print(f"kvpool conductor on {url} ({args.policy}, rejection {args.rejection}); cluster state: {url}/cluster",
           flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.Server(server_config(app, args)).run()
     return 0

@@ -52,16 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most requests allowed to wait for admission; beyond it new ones get 429")
     group.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
                        help="largest request body accepted (e.g. 4MiB); larger ones get 413 (default: 4 MiB)")
-    group.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
-                       help="seconds a request's headers may take to arrive (from the connection, or from the "
-                            "request's first byte); a slower client is disconnected (default: 10)")
-    group.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
-                       help="seconds a request's body may take after its headers (default: 60)")
-    group.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
-                       help="seconds an idle keep-alive connection stays open between requests (default: 5)")
-    group.add_argument("--max-connections-per-client", type=int, default=512, metavar="N",
-                       help="concurrent connections one client address may hold; more are closed at once "
-                            "(0: no cap; default: 512; a conductor talks to its instances from one address)")
+    add_connection_arguments(group)
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     group.add_argument("--watchdog-timeout", type=float, default=60.0,
@@ -148,6 +139,20 @@ def model_aliases(args: argparse.Namespace, loaded, names: tuple[str, ...]) -> f
     path as given on the command line and resolved, and the engine's hashed id."""
     given = [args.model] if args.model else []
     return frozenset({*names[1:], *given, str(loaded.path), str(Path(loaded.path).resolve()), loaded.name})
+
+
+def add_connection_arguments(group: argparse._ArgumentGroup) -> None:
+    """The slow-client limits every kvpool HTTP server takes (`server_config` applies them)."""
+    group.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                       help="seconds a request's headers may take to arrive (from the connection, or from the "
+                            "request's first byte); a slower client is disconnected (default: 10)")
+    group.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                       help="seconds a request's body may take after its headers (default: 60)")
+    group.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                       help="seconds an idle keep-alive connection stays open between requests (default: 5)")
+    group.add_argument("--max-connections-per-client", type=int, default=512, metavar="N",
+                       help="concurrent connections one client address may hold; more are closed at once "
+                            "(0: no cap; default: 512; a conductor talks to its instances from one address)")
 
 
 def server_config(app, args: argparse.Namespace) -> uvicorn.Config:

@@ -16,8 +16,10 @@ import pytest
 import uvicorn
 from conftest import free_port
 
+from kvpool.cluster import cli as conductor_cli
 from kvpool.errors import ConfigError
-from kvpool.serve.cli import add_arguments, server_config
+from kvpool.serve import cli as serve_cli
+from kvpool.serve.cli import server_config
 
 WAIT_S = 10.0  # the test's own bound: far above every timeout configured here
 
@@ -37,16 +39,20 @@ async def echo(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _args(*flags: str) -> argparse.Namespace:
+SERVERS = {"serve": serve_cli.add_arguments, "conductor": conductor_cli.add_arguments}
+
+
+def _args(*flags: str, server: str = "serve") -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    SERVERS[server](parser)
     return parser.parse_args(["--port", str(free_port()), *flags])
 
 
 @contextlib.contextmanager
-def running(app, *flags: str) -> Iterator[tuple[str, int]]:
-    """uvicorn serving `app` with `kvpool serve`'s config for `flags`, in a thread; its address."""
-    args = _args(*flags)
+def running(app, *flags: str, server: str = "serve") -> Iterator[tuple[str, int]]:
+    """uvicorn serving `app` with `kvpool serve`'s (or the conductor's) config for `flags`, in a
+    thread; its address."""
+    args = _args(*flags, server=server)
     server = uvicorn.Server(server_config(app, args))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -61,10 +67,11 @@ def running(app, *flags: str) -> Iterator[tuple[str, int]]:
         thread.join(60)
 
 
-@pytest.fixture
-def serve() -> Iterator:
+@pytest.fixture(params=sorted(SERVERS))
+def serve(request) -> Iterator:
+    """Both kvpool HTTP servers take the same limits through the same config."""
     with contextlib.ExitStack() as stack:
-        yield lambda *flags: stack.enter_context(running(echo, *flags))
+        yield lambda *flags: stack.enter_context(running(echo, *flags, server=request.param))
 
 
 def closed_by_server(s: socket.socket, wait_s: float = WAIT_S) -> bytes:
