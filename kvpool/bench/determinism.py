@@ -19,6 +19,7 @@ import torch
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
+from kvpool.engine.llm import run_to_completion
 from kvpool.engine.loader import LoadedModel, load_model
 from kvpool.sched.sampling_params import SamplingParams
 
@@ -42,13 +43,8 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Served]:
     """Run `prompts` to completion together; each one's (tokens, logprobs)."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [(done[i].outputs[0].token_ids, list(done[i].outputs[0].logprobs or [])) for i in ids]
+    return [(o.outputs[0].token_ids, list(o.outputs[0].logprobs or []))
+            for o in run_to_completion(engine, prompts, params)]
 
 
 def serve_beside(engine: Engine, target: list[int], others: list[list[int]], params: SamplingParams,

@@ -32,6 +32,7 @@ from kvpool.engine.attention import paged_attention
 from kvpool.engine.config import add_engine_args, engine_config_from_args
 from kvpool.engine.engine import Engine
 from kvpool.engine.kv_quant import QUANTIZED, dequantize, quantize
+from kvpool.engine.llm import run_to_completion
 from kvpool.engine.loader import load_model
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.store.codec import get_codec
@@ -77,14 +78,9 @@ def _teacher_forced(engine: Engine, sequences: list[list[int]], start: list[int]
 
 
 def _run(engine: Engine, prompts, params):
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    outs = run_to_completion(engine, prompts, params)
     engine.scheduler.kv.reset_prefix_cache()  # the next pass computes its own KV
-    return [done[i] for i in ids]
+    return outs
 
 
 @contextmanager

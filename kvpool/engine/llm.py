@@ -87,3 +87,16 @@ class LLM:
         if failed:
             raise KVPoolError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return [done[i] for i in ids]
+
+
+def run_to_completion(engine: Engine, prompts: Sequence[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    """Add `prompts` together and step until every one finishes; final outputs in prompt order
+    (a failed request's output carries its error). The offline loop tests and benchmarks share."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+

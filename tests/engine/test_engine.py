@@ -8,6 +8,7 @@ from test_model_reference import PROMPTS
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
+from kvpool.engine.llm import run_to_completion
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
 
@@ -18,14 +19,8 @@ def make_engine(loaded, **kw) -> Engine:
     return Engine(EngineConfig(**{"dtype": "float32", **kw}), loaded=loaded)  # `loaded` is fp32
 
 
-def run_all(engine: Engine, prompts, params) -> dict[str, list]:
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+def run_all(engine: Engine, prompts, params) -> list:
+    return run_to_completion(engine, prompts, params)
 
 
 def assert_no_leak(engine: Engine) -> None:

@@ -12,6 +12,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
 from kvpool.engine.kernels import paged_attention_available
 from kvpool.engine.kv_quant import QUANTIZED, SCALE_BYTES, dequantize, quantize
+from kvpool.engine.llm import run_to_completion
 from kvpool.errors import ConfigError
 from kvpool.sched.sampling_params import SamplingParams
 
@@ -107,13 +108,7 @@ def make(loaded, kv: str, **kw) -> Engine:
 
 
 def run(engine: Engine, prompts, params=GREEDY):
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return run_to_completion(engine, prompts, params)
 
 
 def tokens(outs) -> list[list[int]]:
