@@ -1,6 +1,13 @@
-"""Requests over a fixed block chain, shared by the conductor tests."""
+"""Requests over a fixed block chain, shared by the conductor tests; a real local cluster for
+the process tests."""
+
+from collections.abc import Iterator
+
+import pytest
 
 from kvpool.cluster import LinearPredictor, RouteRequest, TransferCost
+from kvpool.cluster.local import ClusterSpec, LocalCluster
+from kvpool.store.services import ServiceError
 
 BLOCK = 16
 CHAIN = [bytes([i]) * 4 for i in range(64)]
@@ -20,3 +27,14 @@ def make_predictor() -> LinearPredictor:
         decode_s_per_seq=0.01,
         transfer=TransferCost(bandwidth_bytes_per_s=1e9, latency_s=1e-3, block_bytes=10**6),
     )
+
+
+def running_cluster(spec: ClusterSpec) -> Iterator[LocalCluster]:
+    """`spec` brought up (the module skips where Redis is not installed), then taken down."""
+    c = LocalCluster(spec)
+    try:
+        c.up(progress=lambda _: None)
+    except ServiceError as e:
+        pytest.skip(f"{e} (run scripts/install_remote_pools.sh)")
+    yield c
+    c.down()

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from cluster_helpers import running_cluster
 
 from kvpool.cluster.local import ClusterSpec, LocalCluster
-from kvpool.store.services import ServiceError
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +29,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     spec = ClusterSpec(prefill=1, decode=2, pool="redis", instance_args=INSTANCE_ARGS, api_key=API_KEY,
                        log_dir=str(tmp_path_factory.mktemp("fault-cluster")))
-    c = LocalCluster(spec)
-    try:
-        c.up(progress=lambda _: None)
-    except ServiceError as e:
-        pytest.skip(f"{e} (run scripts/install_remote_pools.sh)")
-    yield c
-    c.down()
+    yield from running_cluster(spec)
 
 
 def _load(cluster: LocalCluster, name: str) -> dict:

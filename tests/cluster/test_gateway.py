@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from cluster_helpers import running_cluster
 
 from kvpool.cluster.local import ClusterSpec, LocalCluster
 from kvpool.engine.llm import LLM
 from kvpool.sched.sampling_params import SamplingParams
-from kvpool.store.services import ServiceError
 
 INSTANCE_ARGS = ["--dtype", "float32", "--num-blocks", "256", "--max-model-len", "1024", "--threads", "1"]
 API_KEY = "conductor-test-key"
@@ -33,13 +33,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     spec = ClusterSpec(prefill=2, decode=2, pool="redis", instance_args=INSTANCE_ARGS,
                        conductor_args=["--policy", "kv-centric"], api_key=API_KEY,
                        log_dir=str(tmp_path_factory.mktemp("cluster")))
-    c = LocalCluster(spec)
-    try:
-        c.up(progress=lambda _: None)
-    except ServiceError as e:
-        pytest.skip(f"{e} (run scripts/install_remote_pools.sh)")
-    yield c
-    c.down()
+    yield from running_cluster(spec)
 
 
 @pytest.fixture(scope="module")
