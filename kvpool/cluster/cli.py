@@ -5,22 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvpool.cluster.predictor import LinearPredictor, StepTimePredictor, TransferCost
-from kvpool.cluster.records import POLICIES, REJECTIONS, ConductorConfig
+from kvpool.conductor.predictor import CPU_PREDICTOR, StepTimePredictor
+from kvpool.conductor.records import POLICIES, REJECTIONS, ConductorConfig
 from kvpool.serve.auth import add_auth_arguments, api_keys_from_args
 from kvpool.serve.cli import add_connection_arguments, server_config
 from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES
 from kvpool.sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
-
-# Rough costs of the bundled SmolLM2-135M (float32) on a 2-core CPU, used without --profile:
-# ~1.5 ms per prefilled token, ~40 ms per decode step, KV blocks read from a loopback pool.
-CPU_PREDICTOR = LinearPredictor(
-    prefill_s_per_token=1.5e-3, prefill_overhead_s=0.02, decode_step_s=0.04, decode_s_per_seq=2e-3,
-    transfer=TransferCost(bandwidth_bytes_per_s=1e9, latency_s=2e-3, block_bytes=16 * 30 * 2 * 3 * 64 * 4),
-)
-
 
 def _urls(value: str) -> list[str]:
     return [u.strip() for u in value.split(",") if u.strip()]
@@ -55,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def predictor_from(profile: str | None) -> StepTimePredictor:
     if profile is None:
         return CPU_PREDICTOR
-    from kvpool.cluster.predictor import CostModelPredictor
+    from kvpool.conductor.predictor import CostModelPredictor
     from kvpool.costs.cost_model import MeasuredCostModel
 
     return CostModelPredictor(MeasuredCostModel.from_profile(profile))

@@ -27,12 +27,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 
-from kvpool.cluster.conductor import Conductor
 from kvpool.cluster.members import Member, MemberPoller
 from kvpool.cluster.metrics import build_registry
-from kvpool.cluster.predictor import StepTimePredictor
-from kvpool.cluster.records import ConductorConfig
 from kvpool.cluster.relay import NoInstance, Piece, Relay, RelayStats
+from kvpool.conductor.conductor import Conductor
+from kvpool.conductor.predictor import StepTimePredictor
+from kvpool.conductor.records import ConductorConfig
 from kvpool.core.hashing import hash_blocks
 from kvpool.errors import ConfigError, InvalidRequest
 from kvpool.serve.auth import KeyRing, request_salt

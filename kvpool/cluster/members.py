@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 
-from kvpool.cluster.conductor import Conductor
-from kvpool.cluster.index import POOL
-from kvpool.cluster.records import InstanceLoad
+from kvpool.conductor.conductor import Conductor
+from kvpool.conductor.index import POOL
+from kvpool.conductor.records import InstanceLoad
 
 LOAD_FIELDS = tuple(InstanceLoad.__dataclass_fields__)  # what an instance reports, as the simulator's
 

@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvpool.cluster.conductor import Conductor
-from kvpool.cluster.index import POOL
 from kvpool.cluster.members import MemberPoller
 from kvpool.cluster.relay import RelayStats
+from kvpool.conductor.conductor import Conductor
+from kvpool.conductor.index import POOL
 
 P = "kvpool_conductor:"
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 
-from kvpool.cluster.conductor import Conductor
 from kvpool.cluster.members import Member, MemberPoller
-from kvpool.cluster.records import RouteRequest
+from kvpool.conductor.conductor import Conductor
+from kvpool.conductor.records import RouteRequest
 from kvpool.errors import InvalidRequest, KVPoolError, Overloaded
 from kvpool.serve.errors import NoUpstream, UpstreamFailed
 

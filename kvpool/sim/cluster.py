@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from kvpool.cluster.conductor import Conductor
-from kvpool.cluster.index import POOL
-from kvpool.cluster.predictor import CostModelPredictor, StepTimePredictor
-from kvpool.cluster.records import ConductorConfig, RouteRequest
+from kvpool.conductor.conductor import Conductor
+from kvpool.conductor.index import POOL
+from kvpool.conductor.predictor import CostModelPredictor, StepTimePredictor
+from kvpool.conductor.records import ConductorConfig, RouteRequest
 from kvpool.core.kv_manager import KVCacheManager
 from kvpool.costs.cost_model import CostModel
 from kvpool.errors import ConfigError

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvpool.cluster.records import ConductorConfig
+from kvpool.conductor.records import ConductorConfig
 from kvpool.costs.cost_model import StepBatch
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.cluster import ClusterConfig, ClusterResult, SimCluster

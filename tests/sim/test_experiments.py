@@ -2,7 +2,7 @@
 
 import math
 
-from kvpool.cluster.records import ConductorConfig
+from kvpool.conductor.records import ConductorConfig
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.cluster import ClusterConfig, SimCluster
 from kvpool.sim.experiments import (

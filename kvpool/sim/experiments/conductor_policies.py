@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpool.cluster.cli import CPU_PREDICTOR
-from kvpool.cluster.records import ConductorConfig
+from kvpool.conductor.predictor import CPU_PREDICTOR
+from kvpool.conductor.records import ConductorConfig
 from kvpool.costs.cost_model import FittedStepModel, MeasuredCostModel, TransferCosts
 from kvpool.costs.presets import TensorParallel, get_hardware, get_model
 from kvpool.sched.scheduler import SchedulerConfig

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvpool.cluster.index import POOL
-from kvpool.cluster.predictor import StepTimePredictor
+from kvpool.conductor.index import POOL
+from kvpool.conductor.predictor import StepTimePredictor
 
 
 @dataclass(frozen=True, slots=True)

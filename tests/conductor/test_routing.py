@@ -4,9 +4,9 @@ import json
 from dataclasses import replace
 
 import pytest
-from cluster_helpers import BLOCK, CHAIN, make_request
+from conductor_helpers import BLOCK, CHAIN, make_request
 
-from kvpool.cluster import (
+from kvpool.conductor import (
     POOL,
     Conductor,
     ConductorConfig,

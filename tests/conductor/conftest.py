@@ -1,9 +1,9 @@
 """A predictor with round numbers for the conductor tests."""
 
 import pytest
-from cluster_helpers import make_predictor
+from conductor_helpers import make_predictor
 
-from kvpool.cluster import LinearPredictor
+from kvpool.conductor import LinearPredictor
 
 
 @pytest.fixture

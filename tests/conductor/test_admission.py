@@ -4,12 +4,12 @@ import copy
 from dataclasses import replace
 
 import pytest
-from cluster_helpers import BLOCK, CHAIN, make_predictor, make_request
+from conductor_helpers import BLOCK, CHAIN, make_predictor, make_request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.cluster import Conductor, ConductorConfig, InstanceLoad
-from kvpool.cluster.decode_view import DecodeView
+from kvpool.conductor import Conductor, ConductorConfig, InstanceLoad
+from kvpool.conductor.decode_view import DecodeView
 from kvpool.errors import UnknownSequence
 
 # With the fixture's predictor a decode step of b sequences takes 0.01 + 0.01 b seconds,

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.cluster.index import POOL, GlobalKVIndex
+from kvpool.conductor.index import POOL, GlobalKVIndex
 
 INSTANCES = ["p0", "p1", "d0", POOL]
 HASHES = [bytes([i]) for i in range(8)]

@@ -21,8 +21,8 @@ from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass
 from operator import itemgetter
 
-from kvpool.cluster.predictor import StepTimePredictor
-from kvpool.cluster.records import InstanceLoad
+from kvpool.conductor.predictor import StepTimePredictor
+from kvpool.conductor.records import InstanceLoad
 
 _time = itemgetter(0)
 Interval = tuple[float, int, int]  # (start or finish time, context tokens, KV blocks)

@@ -14,11 +14,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvpool.cluster.decode_view import DecodeView, decode_fit
-from kvpool.cluster.index import POOL, GlobalKVIndex
-from kvpool.cluster.predictor import StepTimePredictor
-from kvpool.cluster.records import ConductorConfig, InstanceLoad, RouteDecision, RouteRequest
-from kvpool.cluster.routing import (
+from kvpool.conductor.decode_view import DecodeView, decode_fit
+from kvpool.conductor.index import POOL, GlobalKVIndex
+from kvpool.conductor.predictor import StepTimePredictor
+from kvpool.conductor.records import ConductorConfig, InstanceLoad, RouteDecision, RouteRequest
+from kvpool.conductor.routing import (
     PrefillOption,
     cache_aware,
     estimate_options,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpool.cluster.predictor import (
+from kvpool.conductor.predictor import (
     CostModelPredictor,
     FittedPredictor,
     LinearPredictor,
