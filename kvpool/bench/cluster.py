@@ -23,7 +23,7 @@ import numpy as np
 
 from kvpool.bench.serve import metric_sums
 from kvpool.cluster.local import POOLS, ClusterSpec, LocalCluster
-from kvpool.cluster.tokenizer import load_tokenizer
+from kvpool.engine.loader import load_tokenizer
 from kvpool.sim.experiments.conductor_policies import DocumentsWorkload
 from kvpool.sim.workloads import arrival_times
 

@@ -57,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvpool.cluster.gateway import GatewayConfig, build_gateway
-    from kvpool.cluster.tokenizer import load_tokenizer
+    from kvpool.engine.loader import load_tokenizer
 
     config = GatewayConfig(
         prefill=args.prefill, decode=args.decode, instances=args.instances,

@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,28 @@ def default_model_path() -> Path:
     return path
 
 
+def model_path(path: str | Path | None) -> Path:
+    """A model's .gguf file or HF directory (None: the bundled SmolLM2), refused when it is neither."""
+    path = default_model_path() if path is None else Path(path)
+    if not path.is_dir() and not (path.suffix == ".gguf" and path.is_file()):
+        raise ConfigError(f"model path {str(path)!r} is neither a .gguf file nor an HF directory")
+    return path
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The tokenizer `load_model` gives, without reading any weights (the conductor's gateway)."""
+    path = model_path(path)
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path, _hf_config(path).eos_token_ids)
+    cache = gguf_cache_dir(path)
+    if (cache / "done").is_file():  # dequantized already (by an instance)
+        meta = json.loads((cache / "model.json").read_text())
+        return _cached_tokenizer(cache, meta, meta["config"]["eos_token_ids"])
+    file = GGUFFile(path)  # metadata and tensor names only: no tensor is read
+    config = gguf_model_config(file.fields, {t.name for t in file.tensors})
+    return Tokenizer.from_gguf_metadata(file.fields, config.eos_token_ids)
+
+
 def load_model(
     path: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
@@ -81,11 +103,11 @@ def load_model(
     `quantization` (int8 | q4, HF directories only) quantizes the projections on load;
     `reserve_bytes`: memory the caller needs beside the weights (its KV budget), checked with
     them against the free memory before anything is read."""
-    path = default_model_path() if path is None else Path(path)
+    path = model_path(path)
     start = time.perf_counter()
     if path.is_dir():
         model, config, tokenizer = _load_hf_dir(path, dtype, quantization, reserve_bytes)
-    elif path.suffix == ".gguf" and path.is_file():
+    else:
         if quantization is not None:
             raise ConfigError(f"quantization={quantization!r}: {path.name} is a GGUF file, quantized already")
         config, weights, tokenizer = _read_gguf_cached(path)
@@ -94,8 +116,6 @@ def load_model(
         if torch.device(device).type == "cpu":
             # the file's exact groups for the quantized kernels, from its cache, before a bf16 cast
             model.quant_groups = _quant_groups(model, path)
-    else:
-        raise ConfigError(f"model path {str(path)!r} is neither a .gguf file nor an HF directory")
     model = model.to(device=device, dtype=dtype).eval()
     for rotary in (model.rotary, model.local_rotary):
         if rotary is not None:
@@ -122,10 +142,7 @@ def _load_hf_dir(
     quantized only when asked: an HF checkpoint has no groups to recover."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    cfg = json.loads((path / "config.json").read_text())
-    gen_path = path / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    config = hf_config_to_model_config(cfg, gen)
+    config = _hf_config(path)
     tensors = hf_weights.stored_tensors(hf_weights.checkpoint_files(path))
     check_fits(path, weight_bytes(config, dtype, quantization), reserve_bytes)
     tokenizer = Tokenizer.from_hf_dir(path, config.eos_token_ids)
@@ -139,6 +156,13 @@ def _load_hf_dir(
     if quantization is not None:
         model.quant_groups = quantize_model(model, quantization)
     return model, config, tokenizer
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    cfg = json.loads((path / "config.json").read_text())
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    return hf_config_to_model_config(cfg, gen)
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
@@ -229,12 +253,7 @@ def _read_gguf_cached(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tens
     if (cache / "done").is_file():
         meta = json.loads((cache / "model.json").read_text())
         config = ModelConfig.from_dict(meta["config"])
-        tokenizer = Tokenizer(
-            FastTokenizer.from_file(str(cache / "tokenizer.json")),
-            config.eos_token_ids,
-            meta["bos_token_id"],
-            meta["chat_template"],
-        )
+        tokenizer = _cached_tokenizer(cache, meta, config.eos_token_ids)
         return config, iter(load_file(cache / "weights.safetensors").items()), tokenizer
     config, weights, tokenizer = _read_gguf(path)
     tensors = dict(weights)
@@ -257,6 +276,11 @@ def _read_gguf_cached(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tens
         logger.warning("could not cache dequantized weights at %s: %s", cache, e)
         shutil.rmtree(tmp, ignore_errors=True)
     return config, iter(tensors.items()), tokenizer
+
+
+def _cached_tokenizer(cache: Path, meta: dict[str, Any], eos_token_ids: Sequence[int]) -> Tokenizer:
+    return Tokenizer(FastTokenizer.from_file(str(cache / "tokenizer.json")), tuple(eos_token_ids),
+                     meta["bos_token_id"], meta["chat_template"])
 
 
 def _quant_groups(model: LlamaForCausal, path: Path) -> dict[str, tuple[Tensor, ...]]:

@@ -66,8 +66,8 @@ def test_internal_routes_refuse_an_api_key(inprocess):
 
 @pytest.fixture(scope="module")
 def conductor() -> Iterator[TestClient]:
-    from kvpool.cluster.tokenizer import load_tokenizer
     from kvpool.conductor.predictor import CPU_PREDICTOR
+    from kvpool.engine.loader import load_tokenizer
 
     config = GatewayConfig(instances=["http://127.0.0.1:9"], api_keys=list(KEYS), cluster_key=CLUSTER_KEY,
                            poll_interval_s=5.0)
