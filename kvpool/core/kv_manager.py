@@ -9,11 +9,10 @@ The scheduler asks; this decides which blocks hold which tokens and returns the 
   after their sequence ends, and are reused from the first block on by later prompts, which
   always recompute at least their last prompt token;
 - every failed operation raises before changing any state.
-A sequence has one block table per layer group (kvpool/core/layer_groups.py), all over the one
-shared pool; a model without windows is one full-attention group. What an attention type changes
-(how far a hit reaches, what an admission takes, which blocks to give back) is asked of its group
-manager (kvpool/core/kv_groups.py); store hits are planned in kvpool/core/store_hits.py and swaps
-in kvpool/core/swap.py.
+A sequence has one block table per layer group (kvpool/core/layer_groups.py), all over the one shared pool;
+a model without windows is one full-attention group. What an attention type changes (how far a hit reaches,
+what an admission takes, which blocks to give back) is asked of its group manager (core/kv_groups.py); store
+hits are planned in core/store_hits.py, swaps in core/swap.py, why a block missed in core/miss_reasons.py.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from kvpool.core.fit import largest_fitting
 from kvpool.core.hashing import BlockHash, hash_blocks, root_hash
 from kvpool.core.kv_groups import NO_BLOCK, longest_hit, make_groups
 from kvpool.core.kv_records import CopyOp, KVUsage, PrefixCacheStats, PrefixHit, SeqBlocks, SwapMap
+from kvpool.core.miss_reasons import MissLedger
 from kvpool.core.swap import HostBlockPool, swap_in, swap_out, unique_blocks
 from kvpool.errors import ConfigError, KVStateError, OutOfBlocks, UnknownSequence
 
@@ -63,6 +63,7 @@ class KVCacheManager:
         self.num_groups = len(self.groups)
         self.windowed = any(w is not None for w in self.group_windows)
         self._window_groups = [g for g in self.groups if g.window is not None]
+        self.ledger: MissLedger | None = None  # set by a driver that reports why blocks missed
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -334,6 +335,8 @@ class KVCacheManager:
             if dead > start:  # freed window blocks have nothing to register
                 ids, hs = ids[dead - start :], hs[dead - start :]
             self.pool.register_many(ids, hs, seq.cache_salt)
+        if self.ledger is not None:
+            self.ledger.saw(hashes[start:full], token_ids, bool(seq.cache_salt), start)
         seq.num_registered = full
 
     def _free_behind(self, seq: SeqBlocks, num_computed_tokens: int) -> None:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvpool.core.hashing import BlockHash
+from kvpool.core.miss_reasons import PromptSources
 from kvpool.sched.sampling_params import SamplingParams
 
 
@@ -81,6 +82,7 @@ class SequenceGroup:
     first_scheduled: bool = False
     forked: bool = False
     pending_kv_loads: set[int] = field(default_factory=set)  # external KV loads in flight (ids)
+    prompt_sources: PromptSources | None = None  # where its prompt's KV came from (with a MissLedger)
     beam: BeamState | None = None  # a beam search's finished hypotheses (made for one)
 
     def __post_init__(self) -> None:
