@@ -114,6 +114,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     eviction_policy: str = "lru"
     preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"  # fcfs | cache-aware (kvpool/sched/waiting_order.py)
     watermark: float = 0.01
     threads: int | None = None
     max_logprobs: int = 20
@@ -147,6 +148,7 @@ class EngineConfig:
     def _check_values(self) -> None:
         """Every value a flag can give, checked before anything loads (a model, a port, torch)."""
         from kvpool.core.policies import POLICIES
+        from kvpool.sched.config import SCHEDULING_POLICIES
         from kvpool.sizes import parse_bytes
 
         resolve_kv_dtype(self.kv_cache_dtype, "float32")  # the name; auto resolves after dtype
@@ -161,6 +163,9 @@ class EngineConfig:
             raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                              f"got {self.scheduling_policy!r}")
         if self.eviction_policy.lower() not in POLICIES:
             raise ConfigError(f"eviction_policy must be one of {', '.join(POLICIES)}, got {self.eviction_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -208,6 +213,8 @@ _HELP = {
     "swa_freeing": "sliding-window layers free KV blocks outside the window (off: they keep every block)",
     "swap_space": "host KV pool for swap preemption (bytes)",
     "preemption_mode": "recompute | swap",
+    "scheduling_policy": "order of waiting requests: fcfs | cache-aware (most device-cached prompt tokens "
+    "first; a request passed over 8 times goes next)",
     "eviction_policy": "prefix-cache eviction: lru | lfu | fifo",
     "max_model_len": "context length (default: the model's)",
     "threads": "torch CPU threads (default: all cores)",

@@ -98,7 +98,7 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, eviction_policy=config.eviction_policy,
-            preemption_mode=config.preemption_mode,
+            preemption_mode=config.preemption_mode, scheduling_policy=config.scheduling_policy,
             num_host_blocks=num_host_blocks if config.preemption_mode == "swap" else 0,
             watermark=config.watermark, namespace=self.namespace,
             record_kv_events=store is not None or config.publish_kv_events, kv_group_windows=groups.windows,

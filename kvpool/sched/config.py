@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvpool.errors import ConfigError
 
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "cache-aware")
 
 
 @dataclass(slots=True)
@@ -25,10 +26,16 @@ class SchedulerConfig:
     namespace: str = ""
     record_kv_events: bool = False
     kv_group_windows: tuple[int | None, ...] = (None,)  # per layer group (kvpool/core/layer_groups.py)
+    scheduling_policy: str = "fcfs"  # fcfs | cache-aware (kvpool/sched/waiting_order.py)
+    max_bypass: int = 8  # cache-aware: admissions a waiting request may be passed over by
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.max_bypass < 0:
+            raise ConfigError(f"max_bypass must be >= 0, got {self.max_bypass}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

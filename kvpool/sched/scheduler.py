@@ -11,7 +11,8 @@ Policy, in order, each step:
    when a group needs a block and none is free, the latest-arrived running group is
    preempted whole (swap or recompute) until it fits, so the oldest always progresses;
 2. swapped groups, oldest first, back in when their blocks fit above the watermark;
-3. waiting groups, oldest first (FCFS), admitted while the budget, `max_num_seqs` and the
+3. waiting groups, oldest first (FCFS) or cache hits first within a bypass bound
+   (`WaitingOrder`, waiting_order.py), admitted while the budget, `max_num_seqs` and the
    free blocks above the watermark allow; prefix-cache hits skip their tokens.
 No group is admitted or swapped in during a step that preempted.
 The policies are parts, each given the KV manager and what else it needs: `Admission`
@@ -25,7 +26,6 @@ from collections import deque
 from collections.abc import Iterable
 
 from kvpool.core.kv_manager import KVCacheManager
-from kvpool.core.miss_reasons import LOAD_FAILED
 from kvpool.errors import InvalidRequest
 from kvpool.sched.admission import Admission
 from kvpool.sched.beam import BeamSearch
@@ -44,6 +44,7 @@ from kvpool.sched.preemption import Preemption
 from kvpool.sched.queues import Queues
 from kvpool.sched.request import FinishReason, SeqStatus, Sequence, SequenceGroup
 from kvpool.sched.stops import Stops
+from kvpool.sched.waiting_order import WaitingOrder
 
 __all__ = ["KVLoad", "Sample", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
@@ -67,6 +68,8 @@ class Scheduler:
         self.queues = queues = Queues(kv)
         self.admission = Admission(kv, config.enable_chunked_prefill, watermark_blocks, external_kv)
         self.preemption = Preemption(kv, queues, config.preemption_mode, watermark_blocks)
+        self.waiting_order = WaitingOrder(kv, self.admission.hashes, config.scheduling_policy,
+                                          config.max_bypass)
         self.stops = Stops(kv)
         self.forks = Forks(kv)
         self.beams = BeamSearch(self.forks, self.stops)
@@ -175,10 +178,9 @@ class Scheduler:
         """The blocks a load was planned into are still its sequence's (`Admission.kv_load_valid`)."""
         return self.admission.kv_load_valid(load)
 
-    def finish_kv_load(self, load: KVLoad, num_loaded: int, why: str = LOAD_FAILED) -> None:
-        """A planned load landed with its first `num_loaded` blocks, short for reason `why`
-        (`Admission.finish_kv_load`)."""
-        self.admission.finish_kv_load(load, num_loaded, why)
+    def finish_kv_load(self, load: KVLoad, num_loaded: int) -> None:
+        """A planned load landed with its first `num_loaded` blocks (`Admission.finish_kv_load`)."""
+        self.admission.finish_kv_load(load, num_loaded)
 
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -226,8 +228,9 @@ class Scheduler:
                 return
             budget -= self._emit(group, live, need, out)
             num_seqs += len(live)
-        while self.waiting and budget > 0:
-            group = self.waiting[0]
+        waiting, order = self.waiting, self.waiting_order
+        while waiting and budget > 0:
+            group = order.pick(waiting)
             live = group.live_seqs
             if num_seqs + len(live) > max_seqs:
                 break
@@ -235,14 +238,14 @@ class Scheduler:
             if not chunk:
                 break
             if group.pending_kv_loads:  # computes from the next step on, once its KV has landed
-                self.waiting.popleft()
+                order.admitted(waiting, group)
                 running.append(group)
                 continue
             need = self._tokens_wanted(live, chunk)
             if need is None:
                 self.admission.unadmit(group, out)
                 break
-            self.waiting.popleft()
+            order.admitted(waiting, group)
             running.append(group)
             budget -= self._emit(group, live, need, out)
             num_seqs += len(live)

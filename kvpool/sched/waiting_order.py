@@ -1,0 +1,67 @@
+"""Which waiting group is admitted next: first come first served, or cache-aware.
+
+Cache-aware ordering (SGLang's longest-prefix-match idea, with a fairness bound): among the
+first `window` waiting groups, the one with the most prompt tokens already in the device
+prefix cache goes first (ties: the earliest), so a request whose KV is resident starts before
+its hit is evicted by the requests ahead of it, and a short remaining prefill reaches its first
+token sooner. A group passed over `max_bypass` times is admitted next whatever its hit, so no
+request waits without bound. Pure and clock-free: the bound counts admissions, not seconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from kvpool.core.hashing import BlockHash
+from kvpool.core.kv_manager import KVCacheManager
+from kvpool.sched.request import Sequence, SequenceGroup
+
+
+class WaitingOrder:
+    """Picks the next waiting group and keeps the bypass counts of the ones passed over."""
+
+    def __init__(self, kv: KVCacheManager, hashes: Callable[[SequenceGroup, Sequence], list[BlockHash]],
+                 policy: str = "fcfs", max_bypass: int = 8, window: int = 64) -> None:
+        self.kv = kv
+        self.hashes = hashes  # a group's prompt hashes, as admission computes them
+        self.cache_aware = policy == "cache-aware"
+        self.max_bypass = max_bypass
+        self.window = window
+        self.num_reordered = 0  # admissions that went ahead of an earlier arrival
+
+    def pick(self, waiting: deque[SequenceGroup]) -> SequenceGroup:
+        """The group to try next (the queue is not empty)."""
+        head = waiting[0]
+        if not self.cache_aware or len(waiting) == 1 or head.num_bypassed >= self.max_bypass:
+            return head
+        best, best_hit = head, self._cached_tokens(head)
+        for i in range(1, min(len(waiting), self.window)):
+            group = waiting[i]
+            if group.num_bypassed >= self.max_bypass:
+                break  # an earlier arrival at its bound: it, not a later hit, is owed the turn
+            hit = self._cached_tokens(group)
+            if hit > best_hit:
+                best, best_hit = group, hit
+        return best
+
+    def admitted(self, waiting: deque[SequenceGroup], group: SequenceGroup) -> None:
+        """`group` leaves the queue: every earlier arrival it went ahead of is passed over once."""
+        if waiting[0] is group:
+            waiting.popleft()
+            return
+        self.num_reordered += 1
+        for earlier in waiting:
+            if earlier is group:
+                break
+            earlier.num_bypassed += 1
+        waiting.remove(group)
+
+    def _cached_tokens(self, group: SequenceGroup) -> int:
+        """Prompt tokens of `group` the device prefix cache holds now (0 where hits are off)."""
+        if not self.kv.enable_prefix_caching or group.params.prompt_logprobs is not None:
+            return 0
+        seq = group.seqs[0]
+        if len(seq.token_ids) != seq.prompt_len:
+            return 0  # recomputed after preemption: no preference (it is owed its turn anyway)
+        return self.kv.match_prefix(self.hashes(group, seq), seq.prompt_len).num_tokens

@@ -1,0 +1,79 @@
+"""The order waiting requests are admitted in: FCFS, or cache hits first within a bypass bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.errors import ConfigError
+from kvpool.sched.output import Sample
+from kvpool.sched.request import SequenceGroup
+from kvpool.sched.sampling_params import SamplingParams
+from kvpool.sched.scheduler import Scheduler, SchedulerConfig
+
+SHARED = list(range(100, 164))  # 4 blocks of 16
+
+
+def add(s: Scheduler, rid: str, prompt: list[int], arrival: float, max_tokens: int = 2) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    s.add_request(SequenceGroup(rid, [s.new_sequence(prompt)], params, arrival))
+
+
+def admission_order(s: Scheduler) -> list[str]:
+    """Run everything to the end; the request ids in the order they were first scheduled."""
+    order: list[str] = []
+    while s.has_unfinished():
+        out = s.schedule()
+        for x in out.scheduled:
+            if x.group.request_id not in order:
+                order.append(x.group.request_id)
+        s.postprocess(out, [Sample([7]) for _ in out.sampling])
+    return order
+
+
+def scheduler(policy: str, max_bypass: int = 8) -> Scheduler:
+    # one request at a time, so the waiting order is the only thing that decides who goes next
+    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=1, max_num_batched_tokens=256,
+                                  max_model_len=256, scheduling_policy=policy, max_bypass=max_bypass))
+    add(s, "warm", SHARED + [1, 2, 3], 0.0)
+    admission_order(s)  # SHARED's blocks are now in the device prefix cache
+    return s
+
+
+def test_fcfs_admits_in_arrival_order_whatever_is_cached() -> None:
+    s = scheduler("fcfs")
+    add(s, "cold", list(range(500, 570)), 1.0)
+    add(s, "hot", SHARED + [9, 9, 9], 2.0)
+    assert admission_order(s) == ["cold", "hot"]
+
+
+def test_cache_aware_admits_the_longest_cached_prefix_first() -> None:
+    s = scheduler("cache-aware")
+    add(s, "cold", list(range(500, 570)), 1.0)
+    add(s, "half", SHARED[:32] + list(range(700, 740)), 2.0)
+    add(s, "hot", SHARED + [9, 9, 9], 3.0)
+    assert admission_order(s) == ["hot", "half", "cold"]
+    assert s.waiting_order.num_reordered == 2
+
+
+def test_a_request_is_passed_over_at_most_max_bypass_times() -> None:
+    s = scheduler("cache-aware", max_bypass=2)
+    add(s, "cold", list(range(500, 570)), 1.0)
+    for i in range(5):
+        add(s, f"hot{i}", SHARED + [i, i, i], 2.0 + i)
+    order = admission_order(s)
+    assert order.index("cold") == 2, order  # after exactly two later hits
+    assert order == ["hot0", "hot1", "cold", "hot2", "hot3", "hot4"]
+
+
+def test_prompt_logprobs_requests_get_no_preference() -> None:
+    """Their prompt is recomputed whole (every position's logprob): a hit saves them nothing."""
+    s = scheduler("cache-aware")
+    add(s, "cold", list(range(500, 570)), 1.0)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    s.add_request(SequenceGroup("hot-logprobs", [s.new_sequence(SHARED + [9])], params, 2.0))
+    assert admission_order(s) == ["cold", "hot-logprobs"]
+
+
+def test_an_unknown_policy_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="scheduling_policy"):
+        SchedulerConfig(num_blocks=8, scheduling_policy="priority")
