@@ -11,6 +11,7 @@ from tqdm import tqdm
 from kvpool.costs.presets import get_model
 from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
+from kvpool.sim import replay
 from kvpool.sim.cluster import SimCluster, gc_paused
 from kvpool.sim.experiments import EXPERIMENTS, get_experiment
 from kvpool.sim.experiments.base import roofline
@@ -52,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvpool.bench import validate  # the engine (torch) only loads for this subcommand's run
 
     validate.add_arguments(sub.add_parser("validate", help="the simulator against the real engine on this machine"))
+    replay.add_arguments(sub.add_parser("replay", help="a server's request log (serve --record-requests) "
+                                        "through the simulator, beside its recorded hit rate and TTFT"))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -71,6 +74,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if cmd == "scale":
         return _scale(args)
+    if cmd == "replay":
+        return replay.main(args)
     if cmd == "validate":
         from kvpool.bench import validate
 

@@ -21,6 +21,7 @@ import torch
 
 from kvpool.core.block_pool import KVEvents
 from kvpool.core.layer_groups import LayerGroups, group_layers
+from kvpool.core.miss_reasons import MissLedger
 from kvpool.engine.config import (
     EngineConfig,
     available_host_memory,
@@ -114,6 +115,7 @@ class Engine:
             self.kv_store = KVStoreConnector(store, self.runner, self.scheduler, config.kv_write_policy,
                                              layerwise=config.kv_layerwise_load)
             self.scheduler.external_kv = self.kv_store.lookup
+        self.scheduler.kv.ledger = self.kv_store.miss_ledger() if self.kv_store else MissLedger.of(self.scheduler.kv)
         self._published = KVEvents()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at %d tokens: %.2fx",
@@ -322,6 +324,7 @@ class Engine:
             m = self._requests[s.group.request_id].metrics
             if m.first_scheduled_s is None:
                 m.first_scheduled_s = now
+                m.prompt_sources = s.group.prompt_sources  # the same record its store loads settle
             if s.start < s.seq.prompt_len:
                 self.num_prompt_tokens += min(s.start + s.num_new_tokens, s.seq.prompt_len) - s.start
         rows = out.sampling

@@ -34,6 +34,7 @@ import torch
 from kvpool.core.block_pool import KVEvents
 from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_groups import NO_BLOCK
+from kvpool.core.miss_reasons import INTEGRITY, LOAD_FAILED, MissLedger
 from kvpool.engine.layerwise import LayerwiseWriter
 from kvpool.engine.runner import ModelRunner
 from kvpool.sched.layerwise import LayerwisePlan, plan_layerwise
@@ -67,6 +68,14 @@ class KVStoreConnector:
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         return self.store.lookup(hashes)[0]
+
+    def tiers_of(self, hashes: Sequence[BlockHash]) -> list[str]:
+        """The fastest tier holding each of `hashes` (a run the store holds whole)."""
+        return self.store.lookup(hashes)[1]
+
+    def miss_ledger(self) -> MissLedger:
+        """The scheduler's KV manager's ledger of miss reasons, told of this store's tiers."""
+        return MissLedger.of(self.scheduler.kv, [t.name for t in self.store.tiers], self.tiers_of)
 
     def before_forward(self, out: SchedulerOutput, events: KVEvents) -> None:
         """Start the loads planned this step (they land while the step computes) and save the
@@ -105,7 +114,8 @@ class KVStoreConnector:
                 self.failed_loads += len(load.hashes) - len(blocks)
                 logger.warning("KV store returned %d of %d planned blocks for sequence %d; computing the rest",
                                len(blocks), len(load.hashes), load.seq.seq_id)
-            self.scheduler.finish_kv_load(load, len(blocks))
+            corrupt = len(blocks) < len(load.hashes) and load.hashes[len(blocks)] in self.store.recent_corrupt
+            self.scheduler.finish_kv_load(load, len(blocks), INTEGRITY if corrupt else LOAD_FAILED)
 
     def after_forward(self, ran: bool = True) -> None:
         """The forward pass ended (`ran`) or failed: wait until every layer has landed, so no

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvpool.core.miss_reasons import PromptSources
+
 
 @dataclass(slots=True)
 class RequestMetrics:
@@ -24,6 +26,7 @@ class RequestMetrics:
     first_scheduled_s: float | None = None
     n_param: int = 1  # the request's n and max_tokens (the server's per-request histograms)
     max_tokens_param: int | None = None
+    prompt_sources: PromptSources | None = None  # where the prompt's KV came from, why the rest was computed
 
     def on_token(self, now: float, count: int = 1) -> None:
         """Record `count` tokens emitted at `now` (count > 1 for parallel samples / spec. decode)."""

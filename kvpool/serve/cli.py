@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "while work is pending")
     group.add_argument("--metrics-prefix", default="kvpool",
                        help="prefix of the /metrics names; `vllm` makes vLLM's Grafana dashboards work unchanged")
+    group.add_argument("--record-requests", default=None, metavar="FILE",
+                       help="write one JSON line per finished request (arrival, the prompt's block hashes, "
+                            "lengths, tenant scope, cached tokens, TTFT; no text or token ids) for "
+                            "`kvpool sim replay FILE`")
     group.add_argument("--role", choices=("prefill", "decode", "both"), default=None,
                        help="serve as a cluster member for `kvpool conductor`: publish KV events and load "
                             "on /internal routes (default: standalone)")
@@ -189,15 +193,21 @@ def main(args: argparse.Namespace) -> int:
     server_config(None, args)  # the connection limits, checked before the model loads
     config = engine_config_from_args(args)  # every engine flag checked before anything loads
     check_port_free(args.host, args.port)
+    if args.record_requests and not Path(args.record_requests).parent.is_dir():
+        raise ConfigError(f"--record-requests {args.record_requests}: its directory does not exist")
 
     from kvpool.engine.engine import Engine  # torch: only when actually serving
     from kvpool.serve.app import build_app
     from kvpool.serve.async_engine import AsyncEngine
     from kvpool.serve.metrics import ServerMetrics
+    from kvpool.serve.recorder import RequestRecorder
     from kvpool.serve.state import ServerState
 
     def make_metrics(engine: Engine) -> ServerMetrics:
-        return ServerMetrics.for_engine(engine, served_names(args, engine.loaded)[0], args.metrics_prefix)
+        metrics = ServerMetrics.for_engine(engine, served_names(args, engine.loaded)[0], args.metrics_prefix)
+        if args.record_requests:
+            metrics.recorder = RequestRecorder(args.record_requests, engine.block_size)
+        return metrics
 
     async_engine = AsyncEngine.launch(lambda: Engine(config), make_metrics, max_queue=args.max_queue,
                                       watchdog_s=args.watchdog_timeout)

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpool.engine.outputs import RequestOutput
 from kvpool.serve.http_metrics import HTTPMetrics, add_process_collectors
+from kvpool.serve.recorder import RequestRecorder
 
 # vLLM's buckets, so its dashboards' quantiles mean the same here
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -153,6 +154,13 @@ class ServerMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS)
         self._add_request_metrics(histogram, counter, max_model_len)
         self._add_vllm_extras(gauge, counter, histogram, max_model_len)
+        self._kv_source = Counter(f"{prefix}:prompt_tokens_by_kv_source", "Prompt tokens of finished requests "
+                                  "whose KV was reused, by where: device (prefix cache) or a store tier's name.",
+                                  ["model_name", "source"], registry=r)
+        self._kv_missed = Counter(f"{prefix}:prompt_tokens_missed", "Prompt tokens of finished requests whose KV was "
+                                  "computed, by why it was not reused (kvpool/core/miss_reasons.py).",
+                                  ["model_name", "reason"], registry=r)
+        self.recorder: RequestRecorder | None = None  # `kvpool serve --record-requests`
         add_process_collectors(r)
         self.http = HTTPMetrics(r)
         self._waiting_by_reason = Gauge(
@@ -310,6 +318,14 @@ class ServerMetrics:
         if m.max_tokens_param:
             self.request_params_max_tokens.observe(m.max_tokens_param)
         self.prompt_tokens_cached.inc(out.num_cached_tokens)
+        split = m.prompt_sources
+        if split is not None:
+            for source, n in split.sources.items():
+                self._kv_source.labels(self._model, source).inc(n)
+            for reason, n in split.misses.items():
+                self._kv_missed.labels(self._model, reason).inc(n)
+        if self.recorder is not None:
+            self.recorder.record(out)
         if m.first_scheduled_time is not None and m.first_token_time is not None:
             self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         if m.first_token_time is not None and m.last_token_time is not None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from kvpool.core.miss_reasons import DIFFERENT_SALT, FIRST_SEEN
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.serve.errors import classify
 
@@ -23,7 +24,34 @@ def system_fingerprint(state: Any) -> str:
     return "fp_" + hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 
+def kv_breakdown(outputs: list[RequestOutput]) -> dict[str, dict[str, int]]:
+    """kvpool's extension of `prompt_tokens_details`: prompt tokens by where their KV came from
+    (`kvpool_sources`: device, a store tier) and, for the computed ones, why
+    (`kvpool_miss_reasons`, kvpool/core/miss_reasons.py); together they sum to prompt_tokens.
+    `different_salt` reads `first_seen` here: that the same tokens are cached under another salt
+    is another tenant's secret (/metrics, the operator's view, keeps the reason)."""
+    sources: dict[str, int] = {}
+    misses: dict[str, int] = {}
+    for o in outputs:
+        split = o.metrics.prompt_sources
+        if split is None:
+            return {}
+        for k, n in split.sources.items():
+            sources[k] = sources.get(k, 0) + n
+        for k, n in split.misses.items():
+            k = FIRST_SEEN if k == DIFFERENT_SALT else k
+            misses[k] = misses.get(k, 0) + n
+    return {"kvpool_sources": sources, "kvpool_miss_reasons": misses}
+
+
 def usage(outputs: dict[int, RequestOutput]) -> dict[str, Any]:
+    """OpenAI's usage, with kvpool's breakdown of the prompt tokens (`kv_breakdown`) in its details."""
+    out = openai_usage(outputs)
+    out["prompt_tokens_details"].update(kv_breakdown(list(outputs.values())))
+    return out
+
+
+def openai_usage(outputs: dict[int, RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs.values())
     completion = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs.values())
