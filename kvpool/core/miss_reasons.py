@@ -155,6 +155,13 @@ class MissLedger:
         self.seen = RecentHashes(capacity)
         self.unsalted = RecentHashes(capacity)
 
+    @classmethod
+    def of(cls, kv, store_tiers: Sequence[str] = (),
+           tiers_of: Callable[[Sequence[BlockHash]], list[str]] | None = None) -> MissLedger:
+        """A ledger for the KV manager `kv` (kvpool.core.kv_manager.KVCacheManager), to set as its
+        `ledger`, with the store's tiers (if any)."""
+        return cls(kv.block_size, kv.namespace, kv.pool.lookup, kv.windowed, store_tiers, tiers_of)
+
     def saw(self, hashes: Sequence[BlockHash], token_ids: Sequence[int], salted: bool, start: int) -> None:
         """Blocks `start..start+len(hashes)` of a sequence were registered on the device; `salted`:
         their identities carry extra keys (a cache_salt), so the unsalted chain is recorded too."""
