@@ -97,7 +97,7 @@ class TieredKVStore:
         self.write_policy = write_policy
         self._bad: dict[str, dict[str, int]] = {name: {} for name in names}
         self._raised: dict[str, int] = dict.fromkeys(names, 0)
-        self.recent_corrupt: deque[BlockHash] = deque(maxlen=256)  # the last blocks that failed a check
+        self.recent_corrupt: set[BlockHash] = set()  # blocks that failed a check lately (cleared at 4096)
         # The format version is in the key, so servers of two versions sharing a pool never
         # read (and delete) each other's blocks.
         self._prefix = f"kv{FORMAT_VERSION}:{namespace_id(namespace)}:"
@@ -164,7 +164,9 @@ class TieredKVStore:
                 log.warning("tier %s: dropping unreadable block %s (%s): %s", tier.name, key, exc.reason, exc)
                 bad = self._bad[tier.name]
                 bad[exc.reason] = bad.get(exc.reason, 0) + 1
-                self.recent_corrupt.append(block_hash)
+                if len(self.recent_corrupt) >= 4096:
+                    self.recent_corrupt.clear()
+                self.recent_corrupt.add(block_hash)
                 self._guard(tier, "delete", tier.delete, key)
                 continue
             quant = _data_scheme(data)
