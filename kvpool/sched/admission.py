@@ -10,6 +10,7 @@ from kvpool.core.fit import largest_fitting
 from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_manager import KVCacheManager
 from kvpool.core.kv_records import PrefixHit
+from kvpool.core.miss_reasons import LOAD_FAILED
 from kvpool.core.store_hits import StoreRange, store_hit_blocks, store_plan
 from kvpool.sched.output import ExternalLookup, KVLoad, SchedulerOutput, StoreHit
 from kvpool.sched.request import SeqStatus, Sequence, SequenceGroup
@@ -53,6 +54,11 @@ class Admission:
                 planned, hit = hit.num_tokens, self._match(group, seq, hashes)
                 if hit.num_tokens != planned:
                     ranges = self._store_ranges(group, seq, hashes, hit.num_tokens // B)
+            if i == 0 and group.num_preemptions == 0 and kv.ledger is not None:  # before allocating evicts
+                group.prompt_sources = kv.ledger.explain(
+                    seq.token_ids, group.cache_salt, hashes, hit.num_tokens // B,
+                    ranges[0].end - hit.num_tokens // B if ranges else 0,
+                    kv.enable_prefix_caching and group.params.prompt_logprobs is None)
             cached = kv.allocate(seq.seq_id, seq.token_ids, group.cache_salt, hashes, hit,
                                  upto=self._window_upto(hit, ranges, chunk))
             external = self._plan_store_loads(group, seq, hashes, cached // B, ranges, out)
@@ -145,11 +151,14 @@ class Admission:
         end = load.start_block + len(load.block_ids)
         return self.kv.block_tables(seq.seq_id)[load.layer_group][load.start_block : end] == load.block_ids
 
-    def finish_kv_load(self, load: KVLoad, num_loaded: int) -> None:
-        """A planned load landed with its first `num_loaded` blocks; the rest is computed. A
-        layer-grouped sequence's hit settles with its last load: at the point every group has
-        what its queries read, the window groups' blocks behind it freed."""
+    def finish_kv_load(self, load: KVLoad, num_loaded: int, why: str = LOAD_FAILED) -> None:
+        """A planned load landed with its first `num_loaded` blocks; the rest is computed (`why`:
+        the miss reason of the first one that did not land). A layer-grouped sequence's hit settles
+        with its last load: at the point every group has what its queries read, the window groups'
+        blocks behind it freed."""
         load.group.pending_kv_loads.discard(load.load_id)
+        if num_loaded < len(load.hashes) and load.group.prompt_sources is not None:
+            load.group.prompt_sources.short_reason = why
         B = self.kv.block_size
         hit = load.store_hit
         if hit is None:
@@ -170,3 +179,5 @@ class Admission:
         load.seq.num_computed_tokens = position
         if load.group.num_preemptions == 0:  # usage reports what was reused, not what was planned
             load.group.num_cached_prompt_tokens = min(load.group.num_cached_prompt_tokens, position)
+            if load.group.prompt_sources is not None:
+                load.group.prompt_sources.settle(position // self.kv.block_size)

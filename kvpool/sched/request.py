@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvpool.core.hashing import BlockHash
+from kvpool.core.miss_reasons import PromptSources
 from kvpool.sched.sampling_params import SamplingParams
 
 
@@ -82,6 +83,7 @@ class SequenceGroup:
     num_bypassed: int = 0  # later arrivals admitted before it (cache-aware order, waiting_order.py)
     forked: bool = False
     pending_kv_loads: set[int] = field(default_factory=set)  # external KV loads in flight (ids)
+    prompt_sources: PromptSources | None = None  # where its prompt's KV came from (with a MissLedger)
     beam: BeamState | None = None  # a beam search's finished hypotheses (made for one)
 
     def __post_init__(self) -> None:

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from kvpool.core.kv_manager import KVCacheManager
+from kvpool.core.miss_reasons import LOAD_FAILED
 from kvpool.errors import InvalidRequest
 from kvpool.sched.admission import Admission
 from kvpool.sched.beam import BeamSearch
@@ -178,9 +179,10 @@ class Scheduler:
         """The blocks a load was planned into are still its sequence's (`Admission.kv_load_valid`)."""
         return self.admission.kv_load_valid(load)
 
-    def finish_kv_load(self, load: KVLoad, num_loaded: int) -> None:
-        """A planned load landed with its first `num_loaded` blocks (`Admission.finish_kv_load`)."""
-        self.admission.finish_kv_load(load, num_loaded)
+    def finish_kv_load(self, load: KVLoad, num_loaded: int, why: str = LOAD_FAILED) -> None:
+        """A planned load landed with its first `num_loaded` blocks, short for reason `why`
+        (`Admission.finish_kv_load`)."""
+        self.admission.finish_kv_load(load, num_loaded, why)
 
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
