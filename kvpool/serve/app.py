@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvpool.serve import front
 from kvpool.serve.auth import Tenant
 from kvpool.serve.chat import create_chat_completion, render
 from kvpool.serve.completions import create_completion
@@ -73,18 +74,15 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
 
     @v1.get("/models")
     async def models() -> dict:
-        names = state.served_names or (state.model_name,)  # the first is the id responses report
-        cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "kvpool",
-                  "root": state.model_name, "max_model_len": state.max_model_len} for name in names]
-        return {"object": "list", "data": cards}
+        names = state.served_names or (state.model_name,)
+        return front.model_list(names, state.model_name, state.created, state.max_model_len)
 
     @v1.get("/models/{model_id:path}")
     async def model_card(model_id: str) -> dict:
         if not model_id:
             raise ModelNotFound("give a model id: GET /v1/models/{id}", param="model")
         state.check_model(model_id)  # 404 model_not_found for a name this server does not serve
-        return {"id": model_id, "object": "model", "created": state.created, "owned_by": "kvpool",
-                "root": state.model_name, "max_model_len": state.max_model_len}
+        return front.model_card(model_id, state.model_name, state.created, state.max_model_len)
 
     @v1.post("/responses")
     async def responses(req: ResponsesRequest, raw: Request):

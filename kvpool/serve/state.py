@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from kvpool.serve.async_engine import AsyncEngine
 from kvpool.serve.auth import KeyRing
-from kvpool.serve.errors import ModelNotFound
+from kvpool.serve.front import check_model, default_max_tokens
 
 T = TypeVar("T")
 
@@ -43,14 +43,10 @@ class ServerState:
     pool: ThreadPoolExecutor = field(default_factory=tokenizer_pool)
 
     def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name and model not in self.aliases:
-            raise ModelNotFound(f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                                param="model")
+        check_model(model, self.model_name, self.aliases)
 
     def default_max_tokens(self, prompt_len: int, n: int) -> int:
-        """The rest of the context: what fits in the model's window and in the KV pool for n samples."""
-        room = min(self.max_model_len, self.kv_capacity_tokens // max(1, n)) - prompt_len
-        return max(1, room)
+        return default_max_tokens(prompt_len, n, self.max_model_len, self.kv_capacity_tokens)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await off_loop(self.pool, fn, *args, **kwargs)
