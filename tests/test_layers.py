@@ -20,8 +20,8 @@ LAYERS: dict[str, int] = {
     "sched": 2,
     "costs": 3,
     "conductor": 4,
-    "sim": 5,  # drives core, sched and the conductor with a cost model: below every real part
-    "store": 6, "engine": 6,
+    "store": 5, "engine": 5,
+    "sim": 6,  # drives core, sched and the conductor with a cost model: below the servers
     "serve": 7,
     "cluster": 8,  # the gateway: the conductor's real driver, an HTTP server like serve
     "bench": 9, "commands": 9, "cli": 9, "__init__": 9,
@@ -217,7 +217,7 @@ def test_the_check_catches_an_import_circle(tmp_path, monkeypatch):
     ("sim/x.py", "from kvpool.serve.state import ServerState\n", "imports kvpool.serve.state"),
     ("sim/x.py", "from kvpool.cluster.gateway import Gateway\n", "imports kvpool.cluster.gateway"),
     ("core/x.py", "def f(p):\n    return open(p).read()\n", "calls open()"),
-    ("sim/x.py", "from kvpool import engine\n", "imports kvpool.engine"),
+    ("conductor/x.py", "from kvpool import sim\n", "imports kvpool.sim"),
     ("store/x.py", "from kvpool import serve\n", "imports kvpool.serve"),
 ])
 def test_the_check_catches_an_upward_or_impure_import(tmp_path, monkeypatch, where, source, expected):
