@@ -4,7 +4,9 @@ hash(block i) = H(hash(block i-1) || tokens of block i || extra keys). The first
 parent is a seed derived from the namespace (model identity), so two models never share;
 a request's `cache_salt` enters the first block, and by chaining every later one. H is
 BLAKE2b-128 over a fixed little-endian encoding: stable across processes and restarts
-(Python's `hash()` is salted per process) and collision-safe between tenants.
+(Python's `hash()` is salted per process) and collision-safe between tenants. A LoRA adapter's
+identity joins the salt (`adapter_salt`), so its blocks never meet the base model's or another
+adapter's in any cache, tier, index or event.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+
+from kvpool.errors import InvalidRequest
 
 BlockHash = bytes
 _DIGEST = 16
@@ -77,3 +81,22 @@ def hash_blocks(
         return []
     salt = cache_salt.encode() if cache_salt and start_block == 0 else b""
     return chain_hashes(parent, _token_bytes(tokens[start_block * block_size : end * block_size]), block_size, salt)
+
+
+# What separates a request's own salt from an adapter's identity: a NUL, which `check_salt`
+# refuses in every request's salt, so no salt a client sends can equal an adapter's.
+_ADAPTER_TAG = "\x00lora:"
+
+
+def check_salt(cache_salt: str | None) -> None:
+    """Refuse a salt that could pose as an adapter's (`adapter_salt`)."""
+    if cache_salt is not None and "\x00" in cache_salt:
+        raise InvalidRequest("cache_salt may not contain NUL characters", param="cache_salt")
+
+
+def adapter_salt(cache_salt: str | None, adapter_key: str) -> str:
+    """The salt a request served through the LoRA adapter `adapter_key` (a stable digest of its
+    name and files) hashes its blocks under. The request's own salt stays the prefix, joined by
+    "/" as a tenant's is, so a tenant still owns its adapter blocks (`Tenant.owns`)."""
+    check_salt(cache_salt)
+    return (f"{cache_salt}/" if cache_salt else "") + _ADAPTER_TAG + adapter_key

@@ -80,6 +80,8 @@ class ModelRunner:
                         for g, t in enumerate(out.group_block_tables)]
             meta.layer_metas = [by_group[g] for g in self.groups.layer_group]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if self.model.lora is not None:  # LoRA adapters: which rows take which adapter's deltas
+            self.model.lora.begin(out.scheduled)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         self.last_hidden = hidden  # every computed row of the step, for prompt logprobs
         if not last_rows:

@@ -82,6 +82,7 @@ class SamplingParams:
     best_of: int | None = None  # sample best_of, return the n with the highest cumulative logprob
     prompt_logprobs: int | None = None  # logprobs of each prompt token (and its top-N) when set
     structured_outputs: StructuredOutputs | None = None
+    lora: str | None = None  # the LoRA adapter's name (kvpool.engine.lora); None: the base model
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -160,6 +161,8 @@ class SamplingParams:
             raise bad("logprobs", f"must be an integer in 0..20, got {self.logprobs!r}")
         if self.use_beam_search and self.n < 2:
             raise bad("n", "beam search needs n >= 2 beams")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise bad("lora", f"must be an adapter's name, got {self.lora!r}")
         self._validate_controls(bad)
 
     def _validate_controls(self, bad) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from kvpool.engine.models import fused
 from kvpool.engine.models.config import ModelConfig, rope_inv_freq
 from kvpool.engine.models.quantized import Q4Linear, Q8Linear, lanes_groups, row_limits
 from kvpool.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvpool.engine.lora.adapters import AdapterSet, LayerLora
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +135,8 @@ class LlamaAttention(nn.Module):
     """Fused QKV projection; optional per-head q/k norms; rope on Q and K together; KV written
     to slots, then paged attention (windowed and soft-capped where the layer is)."""
 
+    lora: LayerLora | None = None  # LoRA adapters' hooks (kvpool.engine.lora), when enabled
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -157,6 +163,8 @@ class LlamaAttention(nn.Module):
         t = meta.num_tokens  # x may carry padding rows past them (see LlamaForCausal.forward)
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        if self.lora is not None:
+            qkv = self.lora.add("qkv_proj", x, qkv)
         if qkv.shape[0] != t:
             qkv = qkv[:t]
         k_cache, v_cache = kv_cache
@@ -177,7 +185,8 @@ class LlamaAttention(nn.Module):
             q, k_cache, v_cache, meta, self.scale, new_kv=new_kv,
             window=self.window, softcap=self.softcap,
         ).reshape(t, h * d)
-        return self.o_proj(pad_rows(out, x.shape[0]))
+        out = pad_rows(out, x.shape[0])
+        return self.o_proj(out) if self.lora is None else self.lora.add("o_proj", out, self.o_proj(out))
 
     def _fused_rope(self, qkv: Tensor, cos: Tensor, k_cache: Tensor) -> bool:
         """RoPE + K/V write as one op: full rotary, no q/k norms, a cache of the rows' dtype."""
@@ -200,6 +209,8 @@ _ACTIVATIONS = {
 class LlamaMLP(nn.Module):
     """Gated MLP: down(act(gate) * up), gate and up in one projection."""
 
+    lora: LayerLora | None = None  # LoRA adapters' hooks (kvpool.engine.lora), when enabled
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         bias = config.mlp_bias
@@ -209,10 +220,14 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.lora is not None:
+            gate_up = self.lora.add("gate_up_proj", x, gate_up)
         if self.act is F.silu and fused.usable(gate_up):
-            return self.down_proj(fused.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+            h = fused.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        return self.down_proj(h) if self.lora is None else self.lora.add("down_proj", h, self.down_proj(h))
 
 
 class LlamaLayer(nn.Module):
@@ -249,8 +264,7 @@ class LlamaLayer(nn.Module):
         attn = self.self_attn(h, cos, sin, kv_cache, meta)
         norm = self.post_attention_layernorm
         h, residual = fused.add_rms_norm(attn, residual, norm.weight, norm.eps)
-        mlp = self.mlp
-        return mlp.down_proj(fused.silu_mul(mlp.gate_up_proj(h))), residual
+        return self.mlp(h), residual  # fusable: SiLU, so the MLP runs fused.silu_mul
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -343,6 +357,8 @@ class LlamaForCausal(nn.Module):
     """The decoder; `forward` returns final-normed hidden states, `compute_logits` projects.
     Its weights are uninitialized until `load_weights` (norms start at ones)."""
 
+    lora: AdapterSet | None = None  # the LoRA adapters it serves (kvpool.engine.lora), when enabled
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -384,6 +400,8 @@ class LlamaForCausal(nn.Module):
         rope = self.rotary(positions, x.dtype)
         local = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rope
         loop = self._loop
+        if self.lora is not None and self.lora.groups is not None:
+            loop = None  # the native loop cannot add adapter deltas: this step's rows take the layers
         if loop is not None and num_tokens <= self.q4_rows and self.before_layer is None and loop.takes(x, kv_caches, meta):
             return loop(x, rope, local, kv_caches, meta)
         if self._fusable and fused.usable(x):
