@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _common(rep)
     sc = sub.add_parser("scale", help="the whole conversation trace through a 16-instance P/D cluster")
     sc.add_argument("--max-requests", type=int, default=None)
+    sc.add_argument("--repeat", type=int, default=1,
+                    help="run the trace this many times in a row, each copy with its own blocks (a k times longer run)")
     sc.add_argument("--out", type=Path, default=Path("sim-out"))
     from kvpool.bench import validate  # the engine (torch) only loads for this subcommand's run
 
@@ -118,13 +120,13 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def scale_run(max_requests: int | None = None) -> dict:
+def scale_run(max_requests: int | None = None, repeat: int = 1) -> dict:
     """The conversation trace at full lengths through 8 prefill + 8 decode instances
-    (LLaMA2-70B, 8 A800s each, kv-centric routing, prefix caching on)."""
+    (LLaMA2-70B, 8 A800s each, kv-centric routing, prefix caching on), `repeat` times in a row."""
     from kvpool.sim.experiments.conductor_policies import cluster_config
 
     cost, blocks = roofline("llama2-70b", "a800-80gb", tp=8, block_size=16)
-    reqs = load_mooncake_trace("conversation", TraceOptions(max_requests=max_requests))
+    reqs = load_mooncake_trace("conversation", TraceOptions(max_requests=max_requests, repeat=repeat))
     cluster = SimCluster(cluster_config("kv-centric", 2.0, False, 8, blocks, 0), cost)
     start = time.perf_counter()
     with tqdm(total=len(reqs), desc="scale", unit="req") as bar:
@@ -140,7 +142,7 @@ def _scale(args: argparse.Namespace) -> int:
     # Paused until the run's objects are gone: right after the run, summarising it would set off
     # a full collection over its millions of objects.
     with gc_paused():
-        out = scale_run(args.max_requests)
+        out = scale_run(args.max_requests, args.repeat)
     write_json(args.out / "scale.json", out)
     print(format_table([out]))
     return 0

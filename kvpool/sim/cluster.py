@@ -286,7 +286,7 @@ class SimCluster:
         end = None
         reported = False
         for res in inst.decode_run(now, self._horizon(inst_id)):
-            end = now = now + res.duration
+            end = res.end
             self._drain(inst)
             reported = bool(res.finished)
             if reported:

@@ -38,6 +38,7 @@ from kvpool.costs.cost_model import CostModel, StepBatch
 from kvpool.errors import ConfigError
 from kvpool.sched.beam import beam_candidates
 from kvpool.sched.decode_batch import DecodeBatch
+from kvpool.sched.decode_leap import leap, leap_steps
 from kvpool.sched.instance_load import InstanceLoad, load_report
 from kvpool.sched.output import Sample, ScheduledSeq
 from kvpool.sched.request import SequenceGroup
@@ -81,12 +82,16 @@ class SimStore:
 
 @dataclass(slots=True)
 class StepResult:
-    """What one step did: its duration and the requests that emitted a token or finished."""
+    """What one step did: its duration and the requests that emitted a token or finished. A
+    result of `decode_run` also says when it ended (`end`) and may cover several steps (a leap;
+    `tokens` is then left empty: every request of the batch emitted one token per step)."""
 
     duration: float
     tokens: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     batch_size: int = 0
+    end: float = math.nan
+    steps: int = 1
 
 
 @dataclass(slots=True)
@@ -215,9 +220,10 @@ class SimInstance:
     def decode_run(self, now: float, until: float) -> Iterator[StepResult]:
         """Plain decode steps (`kvpool.sched.decode_batch`) from `now` while each starts before
         `until` (the first always runs): the very steps `step()` would take, with the same
-        results, but without building a schedule per step. Yields each step's result; ends at the
-        first step that is not plain (or takes no time, or follows a pause), which `step()` then
-        takes."""
+        results, but without building a schedule per step. Steps in which no request can finish
+        are taken together (`kvpool.sched.decode_leap`) and yielded as one result; the others
+        one by one. Ends at the first step that is not plain (or takes no time, or follows a
+        pause), which `step()` then takes."""
         if now > self._last_end:  # the instance was idle: the step's cost depends on the pause
             return
         first = True
@@ -226,18 +232,54 @@ class SimInstance:
             if batch is None:
                 return
             cost = self._plain_decode_cost(len(batch.seqs))
-            for _ in range(batch.steps):
+            lens = [len(seq.token_ids) for _, seq in batch.seqs]
+            durations: list[float] = []
+            ends: list[float] = []
+            for i in range(batch.steps):  # each step's cost depends only on its context lengths
                 if not first and now >= until:
-                    return
-                duration = cost([len(seq.token_ids) for _, seq in batch.seqs])
+                    break
+                duration = cost([n + i for n in lens])
                 if duration == 0.0:
-                    return
+                    break
                 first = False
-                result = self._decode_step(batch, duration, now + duration)
                 now += duration
+                durations.append(duration)
+                ends.append(now)
+            cut = len(ends) < batch.steps  # by the horizon or a step that takes no time
+            k = min(len(ends), leap_steps(batch))
+            if k > 1:
+                yield self._leap(batch, durations[:k], ends[:k])
+            else:
+                k = 0
+            for duration, end in zip(durations[k:], ends[k:], strict=True):
+                result = self._decode_step(batch, duration, end)
                 yield result
                 if result.finished:
                     break
+            if cut:
+                return
+
+    def _leap(self, batch: DecodeBatch, durations: list[float], ends: list[float]) -> StepResult:
+        """`_decode_step` for each of these steps at once (none can finish a request)."""
+        seqs = batch.seqs
+        b, k = len(seqs), len(ends)
+        base = next(self._markers)  # the placeholder tokens _decode_step would draw, step by step
+        self._markers = itertools.count(base + k * b)
+        leap(batch, k, range(base, base + k * b))
+        c = self.counters
+        for duration in durations:  # summed in step order: the same float as step by step
+            c.busy_s += duration
+        c.steps += k
+        c.batched_requests += k * b
+        metrics = self.metrics
+        for g, _ in seqs:
+            m = metrics[g.request_id]
+            if not m.token_times and g.num_cached_prompt_tokens:
+                m.cached_tokens = max(m.cached_tokens, g.num_cached_prompt_tokens)
+            m.token_times.extend(ends)
+        self._last_end = ends[-1]
+        c.generated_tokens = self.sched.num_generated_tokens
+        return StepResult(sum(durations), batch_size=b, end=ends[-1], steps=k)
 
     def _plain_decode_cost(self, batch_size: int) -> Callable[[list[int]], float]:
         """Step time of a plain decode step from its context lengths: the cost model's own
@@ -252,7 +294,7 @@ class SimInstance:
         """`step()` for a plain decode batch."""
         self._last_end = end
         seqs = batch.seqs
-        result = StepResult(duration, batch_size=len(seqs))
+        result = StepResult(duration, batch_size=len(seqs), end=end)
         c = self.counters
         c.steps += 1
         c.busy_s += duration

@@ -66,6 +66,23 @@ def test_trace_options_scale_cap_truncate_and_speed_up():
     assert reqs[0].output_len == round(full[0].output_len / 32)
 
 
+def test_a_repeated_trace_runs_its_copies_in_a_row_sharing_no_block():
+    once = load_mooncake_trace("conversation", TraceOptions(max_requests=40))
+    twice = load_mooncake_trace("conversation", TraceOptions(max_requests=40, repeat=2))
+    assert len(twice) == 80 and twice[:40] == once
+    period = once[-1].arrival_s + once[-1].arrival_s / 39  # the span plus one mean gap
+    second = twice[40:]
+    assert [r.arrival_s for r in second] == pytest.approx([r.arrival_s + period for r in once])
+    assert [(r.prompt_len, r.output_len) for r in second] == [(r.prompt_len, r.output_len) for r in once]
+    assert len({r.request_id for r in twice}) == 80
+    first_blocks = {h for hs in block_hashes_for(once, 16) for h in hs}
+    again = block_hashes_for(second, 16)
+    assert not first_blocks & {h for hs in again for h in hs}
+    assert [len(hs) for hs in again] == [len(hs) for hs in block_hashes_for(once, 16)]
+    with pytest.raises(ConfigError, match="repeat=0"):
+        TraceOptions(repeat=0)
+
+
 def test_trace_loader_errors_name_the_choices(tmp_path):
     with pytest.raises(ConfigError, match="conversation"):
         trace_path(tmp_path / "missing.jsonl")
