@@ -56,11 +56,11 @@ def run_sessions(engine: Engine, sessions: int, turns: int, system_len: int, que
                 history[s] += rng.integers(0, vocab, size=question_len).tolist()
                 ids[engine.add_request(list(history[s]), params)] = s
             while engine.has_unfinished():
-                for out in engine.step():
+                for out in engine.step():  # each step's new tokens
+                    history[ids[out.request_id]] += out.outputs[0].token_ids if out.outputs else []
                     if out.finished:
                         m = out.metrics
                         ttfts.append(m.first_token_time - m.arrival_time)
-                        history[ids[out.request_id]] += out.outputs[0].token_ids
     elapsed = time.perf_counter() - start
     if engine.kv_store is not None:
         engine.kv_store.store.flush()

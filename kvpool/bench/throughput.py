@@ -90,10 +90,10 @@ def run_kvpool(engine: Engine, prompts: list[list[int]], output_len: int, limits
     bar = tqdm(total=len(prompts), desc="kvpool", unit="req", leave=False)
     out_tokens = 0
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step():  # each step's new tokens
+            out_tokens += sum(len(o.token_ids) for o in out.outputs)
             if out.finished:
                 bar.update(1)
-                out_tokens += sum(len(o.token_ids) for o in out.outputs)
         running.append(engine.scheduler.num_running_seqs)
         u = kv.usage()
         if u.used_blocks:

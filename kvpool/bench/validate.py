@@ -66,7 +66,7 @@ def engine_offline(engine: Engine, prompts: list[list[int]], output_len: int) ->
     out_tokens = 0
     start = time.perf_counter()
     while engine.has_unfinished():
-        out_tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        out_tokens += sum(len(c.token_ids) for o in engine.step() for c in o.outputs)  # each step's new tokens
     return time.perf_counter() - start, out_tokens
 
 

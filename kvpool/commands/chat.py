@@ -39,16 +39,13 @@ def main(args) -> int:
         messages.append({"role": "user", "content": user})
         prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         rid = engine.add_request(engine.tokenizer.encode(prompt, add_special_tokens=False), params)
-        shown = 0
-        text = ""
+        pieces = []
         print("assistant> ", end="", flush=True)
         while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id != rid:
-                    continue
-                text = out.outputs[0].text
-                print(text[shown:], end="", flush=True)
-                shown = len(text)
+            for out in engine.step():  # each step's new text
+                if out.request_id == rid and out.outputs:
+                    pieces.append(out.outputs[0].text)
+                    print(pieces[-1], end="", flush=True)
         print()
-        messages.append({"role": "assistant", "content": text})
+        messages.append({"role": "assistant", "content": "".join(pieces)})
     return 0

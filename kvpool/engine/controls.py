@@ -1,9 +1,11 @@
-"""Per-request sampling state the scheduler does not keep: grammar matchers, bad words as
-token ids, prompt logprobs, and best_of's choice of outputs.
+"""Per-request sampling state the scheduler does not keep: each sample's generator (seed +
+sample index), grammar matchers, bad words as token ids, prompt logprobs, and best_of's
+choice of outputs.
 
-The engine calls `add` when a request is queued (every check happens there, before anything
-is queued), `row_params` / `allowed` / `accept` around each sampling call, `record_prompt`
-after each forward pass, and `forget` when the request leaves.
+The input processor calls `prepare` while it validates a request (a grammar that does not
+compile is refused there); the engine calls `add` when the request is queued, `row_params` /
+`allowed` / `accept` around each sampling call, `record_prompt` after each forward pass, and
+`forget` when the request leaves.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch
 
 from kvpool.engine.sampler import RowParams, bad_word_bans
 from kvpool.engine.structured import GrammarCompiler, GrammarMatcher
-from kvpool.errors import InvalidRequest
 from kvpool.sched.request import Sequence, SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 
@@ -27,22 +28,21 @@ class RequestState:
     prompt_top: list[list[tuple[int, float]]] | None = None
     prompt_num_top: int = 0
     matchers: dict[int, GrammarMatcher] = field(default_factory=dict)  # seq id -> its grammar position
+    generators: list[torch.Generator] | None = None  # sample i draws with seed + i (seeded requests)
 
 
 class Controls:
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, device: torch.device) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.device = device
         self._compiler: GrammarCompiler | None = None
         self._requests: dict[str, RequestState] = {}
 
     # -- requests ------------------------------------------------------------------------------
-    def check(self, params: SamplingParams) -> RequestState:
-        """Everything about `params` that needs the vocabulary; raises InvalidRequest."""
-        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                                 param="logit_bias")
+    def prepare(self, params: SamplingParams) -> RequestState:
+        """The state of validated `params`: bad words as token ids, the compiled grammar (raises
+        InvalidRequest if it does not compile), prompt logprobs, seeded generators."""
         state = RequestState()
         for word in params.bad_words:  # as vLLM: the word alone and after a space
             for text in (word, " " + word.lstrip()):
@@ -56,7 +56,15 @@ class Controls:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs, state.prompt_top = [None], [[]]
             state.prompt_num_top = params.prompt_logprobs
+        if params.seed is not None and not params.use_beam_search:
+            state.generators = [torch.Generator(device=self.device).manual_seed(params.seed + i)
+                                for i in range(params.num_samples)]
         return state
+
+    @property
+    def constrained(self) -> bool:
+        """Has any request had a grammar (else `accept` need not be asked)?"""
+        return self._compiler is not None
 
     def add(self, request_id: str, state: RequestState) -> None:
         self._requests[request_id] = state
@@ -65,9 +73,11 @@ class Controls:
         self._requests.pop(request_id, None)
 
     # -- sampling ------------------------------------------------------------------------------
-    def row_params(self, g: SequenceGroup, seq: Sequence, generator: torch.Generator | None) -> RowParams:
+    def row_params(self, g: SequenceGroup, seq: Sequence, sample_index: int) -> RowParams:
+        """Sample `sample_index` of `seq`'s row (a first row's later samples become forks)."""
         p = g.params
         state = self._requests.get(g.request_id)
+        generator = state.generators[sample_index] if state is not None and state.generators is not None else None
         output = seq.output_ids
         banned = bad_word_bans(state.bad_words, output) if state and state.bad_words else ()
         return RowParams(

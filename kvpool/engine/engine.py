@@ -1,21 +1,24 @@
-"""The engine: one `step()` = `schedule()`, the model and the sampler, `postprocess()`.
+"""The engine in three stages: the input processor (validation and tokenization, the one
+station: kvpool/engine/input_processor.py), the core on token ids (`schedule()`, the model
+and the sampler, `postprocess()`), the output processor (text, stop strings and each step's
+delta: kvpool/engine/output_processor.py).
 
 It is the real-time driver of the pure scheduler; the simulator is the other one. What a
-request's fate is (forks, beams, stops, frees) is decided in the scheduler; the engine turns
-logits into samples and tokens into text. A failure it can pin on requests fails only those:
-a bad request is refused before it touches any state, an exception in one request's sampling
-or text fails that request, and an exception in the shared forward fails the step's requests
-(their blocks freed) and leaves the engine ready for the next step.
+request's fate is (forks, beams, stops, frees) is decided in the scheduler: a grammar's end
+is told to it through `postprocess`, a stop string (which only text shows) right after, by
+`Scheduler.stop_at_strings`, before anything is reported. A failure the engine can pin on
+requests fails only those: a bad request is refused before it touches any state, an
+exception in one request's sampling or text fails that request, and an exception in the
+shared forward fails the step's requests (their blocks freed) and leaves the engine ready.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
@@ -29,19 +32,20 @@ from kvpool.engine.config import (
     kv_budget,
     resolve_kv_dtype,
 )
-from kvpool.engine.controls import Controls, best_of
+from kvpool.engine.controls import Controls
+from kvpool.engine.input_processor import EngineRequest, InputLimits, InputProcessor
 from kvpool.engine.kv_io import KVStoreConnector
 from kvpool.engine.kv_quant import QUANTIZED, bytes_per_token, row_width, storage_dtype
 from kvpool.engine.loader import LoadedModel, load_model
-from kvpool.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvpool.engine.lora.adapters import AdapterSet, request_salt
+from kvpool.engine.output_processor import OutputProcessor
+from kvpool.engine.outputs import RequestMetrics, RequestOutput
 from kvpool.engine.runner import ModelRunner
-from kvpool.engine.sampler import sample
-from kvpool.engine.tokenizer import IncrementalDetokenizer
+from kvpool.engine.sample_rows import RowSampler
 from kvpool.errors import ConfigError, InvalidRequest
-from kvpool.sched.beam import beam_candidates
 from kvpool.sched.instance_load import decode_accepts, load_report
-from kvpool.sched.output import Sample, SchedulerOutput
-from kvpool.sched.request import FinishReason, Sequence, SequenceGroup
+from kvpool.sched.output import SchedulerOutput
+from kvpool.sched.request import Sequence, SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig
 from kvpool.sizes import parse_bytes
@@ -49,23 +53,6 @@ from kvpool.sizes import parse_bytes
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(slots=True)
-class _SeqText:
-    detok: IncrementalDetokenizer
-    text: str = ""
-
-
-@dataclass(slots=True)
-class _Request:
-    """What the engine keeps per request beside the scheduler's group: the prompt text, the
-    per-sample generators (seed + sample index), the metrics clock and each sample's text."""
-
-    prompt: str | None
-    metrics: RequestMetrics
-    generators: list[torch.Generator] | None
-    texts: dict[int, _SeqText]
 
 
 class Engine:
@@ -128,8 +115,13 @@ class Engine:
                         "what leaves the window (--no-swa-freeing keeps every block)", groups.num_groups,
                         groups.group_size, groups.windows, num_blocks)
         self._log_kv_dtype(per_block)
-        self.controls = Controls(self.tokenizer, mcfg.vocab_size)  # penalties, grammars, prompt logprobs
-        self._requests: dict[str, _Request] = {}
+        self.controls = Controls(self.tokenizer, mcfg.vocab_size, self.device)  # generators, grammars, ...
+        self.inputs = InputProcessor(
+            self.tokenizer, InputLimits(mcfg.vocab_size, self.max_model_len, config.max_num_seqs, config.max_logprobs),
+            capacity=self.scheduler.check_capacity, prepare=self.controls.prepare)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.sampler = RowSampler(self.scheduler, self.controls)
+        self.lora: AdapterSet | None = None  # LoRA adapters, once kvpool.engine.lora.adapters.enable_lora attaches them
         self._failed: dict[str, str] = {}  # request id -> why, found while stepping
         self._ids = itertools.count()
         self.num_steps = 0
@@ -237,65 +229,43 @@ class Engine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> str:
-        """Validate and queue a request. Atomic: every check runs before anything changes, so
-        it raises InvalidRequest having changed nothing, or enters every structure."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}", param="params")
-        params.validate()  # again: fields may have been assigned since construction
-        vocab = self.loaded.config.vocab_size
-        params.check_vocab(vocab)
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise InvalidRequest(f"logprobs must be <= {self.config.max_logprobs}", param="logprobs")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
-            raise InvalidRequest(f"prompt_logprobs must be <= {self.config.max_logprobs}", param="prompt_logprobs")
-        controls = self.controls.check(params)  # vocabulary-dependent checks; compiles a grammar
-        if request_id is not None and not isinstance(request_id, str):
-            raise InvalidRequest(f"request_id must be a string, got {request_id!r}", param="request_id")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequest(f"cache_salt must be a string, got {cache_salt!r}", param="cache_salt")
-        if arrival_time is not None and (not isinstance(arrival_time, int | float) or not math.isfinite(arrival_time)):
-            raise InvalidRequest(f"arrival_time must be a finite number, got {arrival_time!r}", param="arrival_time")
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            text = None
-            token_ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
-                raise InvalidRequest(f"prompt token ids must be integers in 0..{vocab - 1}", param="prompt")
-        if not token_ids:
-            raise InvalidRequest("prompt is empty", param="prompt")
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        generators = None
-        if params.seed is not None and not params.use_beam_search:
-            generators = [torch.Generator(device=self.device).manual_seed(params.seed + i)
-                          for i in range(params.num_samples)]
-        seq = self.scheduler.new_sequence(token_ids)
+        """Validate (`InputProcessor.process`) and queue a request. Atomic: it raises
+        InvalidRequest having changed nothing, or enters every structure."""
+        return self.add(self.inputs.process(prompt, params, request_id, arrival_time, cache_salt))
+
+    def add(self, req: EngineRequest) -> str:
+        """Queue a request the input processor made."""
+        request_id = req.request_id if req.request_id is not None else f"req-{next(self._ids)}"
+        params = req.params
+        salt = request_salt(self.lora, params, req.cache_salt)  # joined by its LoRA adapter's identity
+        seq = self.scheduler.new_sequence(req.prompt_token_ids)
         group = SequenceGroup(
-            request_id, [seq], params, arrival_time if arrival_time is not None else time.monotonic(),
-            eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
+            request_id, [seq], params, req.arrival_time if req.arrival_time is not None else time.monotonic(),
+            eos_token_ids=self.eos_token_ids, cache_salt=salt,
         )
-        texts = {} if params.use_beam_search else {seq.seq_id: self._new_text(group, seq)}
-        self.scheduler.add_request(group)  # the last check; from here nothing can fail
-        metrics = RequestMetrics(request_id, group.arrival_time, len(token_ids),
+        self.scheduler.add_request(group)  # refuses a request id in use; from here nothing can fail
+        metrics = RequestMetrics(request_id, group.arrival_time, seq.prompt_len,
                                  n_param=params.n, max_tokens_param=params.max_tokens)
-        self._requests[request_id] = _Request(text, metrics, generators, texts)
-        self.controls.add(request_id, controls)
+        self.outputs.add(group, req.prompt, metrics)
+        self.controls.add(request_id, req.controls)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         group = self.scheduler.abort(request_id)
-        self._requests.pop(request_id, None)
-        self.controls.forget(request_id)
+        self._forget(request_id)
         return group is not None
+
+    def _forget(self, request_id: str) -> None:
+        self.outputs.forget(request_id)
+        self.controls.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration. Requests that failed in it come back finished, with `error` set."""
+        """One iteration: a record of what is new for each request it advanced. Requests that
+        failed in it come back finished, with `error` set."""
         sched = self.scheduler
         out = sched.schedule()
         try:
@@ -320,19 +290,25 @@ class Engine:
             logger.exception("engine step failed; failing the %d request(s) it scheduled", len(out.scheduled))
             return self._fail_step(out, f"engine error: {type(e).__name__}: {e}")
         self.num_steps += 1
+        metrics = self.outputs.metrics
         for s in out.scheduled:
-            m = self._requests[s.group.request_id].metrics
-            if m.first_scheduled_s is None:
+            m = metrics(s.group.request_id)
+            if m is not None and m.first_scheduled_s is None:
                 m.first_scheduled_s = now
                 m.prompt_sources = s.group.prompt_sources  # the same record its store loads settle
             if s.start < s.seq.prompt_len:
                 self.num_prompt_tokens += min(s.start + s.num_new_tokens, s.seq.prompt_len) - s.start
         rows = out.sampling
-        sampled = self._sample(rows, logits)
+        sampled = self.sampler.sample(rows, logits, self._failed)
         touched = {s.group.request_id: s.group for s in rows}
         self._fail_marked(touched)
         try:
-            finished = {g.request_id for g in sched.postprocess(out, sampled, self._on_text)}
+            finished = {g.request_id for g in sched.postprocess(
+                out, sampled, self._accept if self.controls.constrained else None)}
+            hits, failed = self.outputs.detokenize(list(touched.values()))
+            self._failed.update(failed)
+            if hits:  # the core stops them, before anything is reported or the store sees the step
+                finished.update(g.request_id for g in sched.stop_at_strings(hits))
         except Exception as e:  # noqa: BLE001 - a bookkeeping bug must not wedge the engine
             logger.exception("postprocess failed; failing the step's requests")
             return self._fail_step(out, f"engine error: {type(e).__name__}: {e}")
@@ -348,20 +324,27 @@ class Engine:
         now = time.monotonic()
         results = []
         for rid, g in touched.items():
-            req = self._requests.get(rid)
-            if req is None:
-                continue
-            req.metrics.on_token(now)
             error = self._failed.pop(rid, None)
             done = rid in finished or error is not None
-            if done:
-                req.metrics.finish(now)
-                del self._requests[rid]
-            results.append(self._output(g, req, done, error))
+            record = self.outputs.emit(g, done, error, now, self.controls.prompt_result)
+            if record is not None:
+                results.append(record)
             if done:
                 self.controls.forget(rid)
         self._failed.clear()
         return results
+
+    def _accept(self, g: SequenceGroup, seq: Sequence, token: int) -> bool:
+        """The scheduler's constraint hook: is the sequence's grammar complete with `token`? (A
+        grammar that fails fails its request only.)"""
+        if g.request_id in self._failed:
+            return False
+        try:
+            return self.controls.accept(g, seq, token)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            logger.exception("grammar step failed for request %s", g.request_id)
+            self._failed[g.request_id] = f"grammar failed: {type(e).__name__}: {e}"
+            return False
 
     def _fail_step(self, out: SchedulerOutput, reason: str) -> list[RequestOutput]:
         """The forward (or the store around it) failed: fail every request whose KV it was to
@@ -373,11 +356,10 @@ class Engine:
         results = []
         for rid, g in groups.items():
             self.scheduler.abort(rid)
-            req = self._requests.pop(rid, None)
+            record = self.outputs.emit(g, True, reason, now, self.controls.prompt_result)
             self.controls.forget(rid)
-            if req is not None:
-                req.metrics.finish(now)
-                results.append(self._output(g, req, True, reason))
+            if record is not None:
+                results.append(record)
         return results
 
     def _fail_marked(self, touched: dict[str, SequenceGroup]) -> None:
@@ -387,137 +369,3 @@ class Engine:
             group = self.scheduler.abort(rid)
             if group is not None:
                 touched.setdefault(rid, group)
-
-    def _sample(self, rows, logits: torch.Tensor) -> list[Sample | None]:
-        """One Sample per sampling row: `num_samples` tokens for plain rows (each sample with its
-        own generator), the best continuations for beam rows. A row whose sampling raises
-        fails its request only (the batch is retried row by row to find it)."""
-        sampled: list[Sample | None] = [None] * len(rows)
-        plain, beam = [], []
-        for i, s in enumerate(rows):
-            (beam if s.group.beam is not None else plain).append(i)
-        if plain:
-            try:
-                self._sample_plain(rows, plain, logits, sampled)
-            except Exception:  # noqa: BLE001 - find the request it belongs to
-                for i in plain:
-                    try:
-                        self._sample_plain(rows, [i], logits, sampled)
-                    except Exception as e:  # noqa: BLE001
-                        logger.exception("sampling failed for request %s", rows[i].group.request_id)
-                        self._failed[rows[i].group.request_id] = f"sampling failed: {type(e).__name__}: {e}"
-        if beam:
-            groups: dict[str, list[int]] = {}
-            for i in beam:
-                groups.setdefault(rows[i].group.request_id, []).append(i)
-            for rid, idx in groups.items():
-                try:
-                    m = beam_candidates(rows[idx[0]].group)
-                    lp = torch.log_softmax(logits[torch.tensor(idx, dtype=torch.long)].float(), dim=-1)
-                    top = torch.topk(lp, min(m, lp.shape[-1]), dim=-1)
-                    for j, i in enumerate(idx):
-                        sampled[i] = Sample(candidates=list(zip(top.indices[j].tolist(), top.values[j].tolist(),
-                                                                strict=True)))
-                except Exception as e:  # noqa: BLE001
-                    logger.exception("beam step failed for request %s", rid)
-                    self._failed[rid] = f"beam search failed: {type(e).__name__}: {e}"
-        return sampled
-
-    def _sample_plain(self, rows, idx: list[int], logits: torch.Tensor, sampled: list[Sample | None]) -> None:
-        """Sample rows `idx` in one batch: row i gives `num_samples` tokens, sample j drawn with
-        generator j (seed + j) of its request."""
-        sched, controls = self.scheduler, self.controls
-        take, params, spans, targets = [], [], [], []
-        for i in idx:
-            s = rows[i]
-            g = s.group
-            if g.params.max_tokens == 0:  # prompt logprobs only: done once the prompt is computed
-                sched.finish_seq(s.seq, FinishReason.LENGTH)
-                continue
-            req = self._requests[g.request_id]
-            first = s.seq.sample_index
-            spans.append((i, len(take), s.num_samples))
-            for j in range(s.num_samples):
-                take.append(i)
-                targets.append((g, s.seq))  # forked samples start where their parent is
-                gen = req.generators[first + j] if req.generators is not None else None
-                params.append(controls.row_params(g, s.seq, gen))
-        if not take:
-            return
-        bans = [(at, n, banned) for i, at, n in spans if (banned := sched.early_stop_tokens(rows[i].group, rows[i].seq))]
-        # a decode step's rows in order, nothing banned, need no gathered copy (1.5 MB at batch 8)
-        in_order = not bans and len(take) == logits.shape[0] and take == list(range(len(take)))
-        row_logits = logits if in_order else logits[torch.tensor(take, dtype=torch.long)]
-        for at, n, banned in bans:
-            row_logits[at : at + n, banned] = float("-inf")
-        allowed = controls.allowed(targets, row_logits.device)  # grammar mask, None when unconstrained
-        result = sample(row_logits, params) if allowed is None else sample(row_logits, params, allowed)
-        for i, at, n in spans:
-            want_top = rows[i].group.params.logprobs is not None and result.top_logprobs
-            sampled[i] = Sample(result.token_ids[at : at + n], result.logprobs[at : at + n],
-                                result.top_logprobs[at : at + n] if want_top else None)
-
-    def _new_text(self, g: SequenceGroup, seq: Sequence) -> _SeqText:
-        return _SeqText(IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.prompt_len],
-                                               skip_special_tokens=g.params.skip_special_tokens))
-
-    def _on_text(self, g: SequenceGroup, seq: Sequence, check_stops: bool) -> str | None:
-        """The scheduler's detokenizer hook: extend the sample's text by its newest token and,
-        when asked, report (and trim) a stop string the text now contains. Also on the last
-        allowed token: a stop string that ends there still stops the text ("stop", trimmed)."""
-        rid = g.request_id
-        if rid in self._failed:
-            return None
-        try:
-            texts = self._requests[rid].texts
-            st = texts.get(seq.seq_id)
-            if st is None:  # a sample forked this step: its text starts from the prompt
-                st = texts[seq.seq_id] = self._new_text(g, seq)
-            st.text += st.detok.step(seq.token_ids[-1:])
-            if self.controls.accept(g, seq, seq.token_ids[-1]):  # the grammar is complete
-                self.scheduler.finish_seq(seq, FinishReason.STOP)
-                return None
-            if not check_stops:
-                return None
-            for stop in g.params.stop:
-                at = st.text.find(stop, max(0, len(st.text) - len(stop) - 16))
-                if at >= 0:
-                    st.text = st.text[: at + len(stop)] if g.params.include_stop_str_in_output else st.text[:at]
-                    return stop
-            return None
-        except Exception as e:  # noqa: BLE001 - fails this request only
-            logger.exception("detokenizing failed for request %s", rid)
-            self._failed[rid] = f"detokenizing failed: {type(e).__name__}: {e}"
-            return None
-
-    def _output(self, g: SequenceGroup, req: _Request, finished: bool, error: str | None = None) -> RequestOutput:
-        if g.beam is not None:
-            outs = self._beam_outputs(g, finished and error is None)
-        else:
-            outs = []
-            want_lp = g.params.logprobs is not None
-            chosen = sorted(g.seqs, key=lambda s: s.sample_index)
-            if g.params.num_samples > g.params.n:  # best_of: only the n best, once all are done
-                chosen = best_of(g) if finished else []
-            for index, seq in enumerate(chosen):
-                st = req.texts.get(seq.seq_id)
-                outs.append(CompletionOutput(
-                    index, seq.output_ids, st.text if st is not None else "",
-                    seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
-                    seq.cumulative_logprob, list(seq.logprobs) if want_lp else None,
-                    list(seq.top_logprobs) if want_lp else None,
-                ))
-        prompt_lps, prompt_top = self.controls.prompt_result(g.request_id)
-        return RequestOutput(
-            g.request_id, g.prompt_token_ids, outs, finished, g.num_cached_prompt_tokens,
-            req.metrics, req.prompt, error, prompt_lps, prompt_top,
-        )
-
-    def _beam_outputs(self, g: SequenceGroup, finished: bool) -> list[CompletionOutput]:
-        if not finished:
-            return [CompletionOutput(i, b.output_ids, "") for i, b in enumerate(g.live_seqs)]
-        skip = g.params.skip_special_tokens
-        return [
-            CompletionOutput(i, ids, self.tokenizer.decode(ids, skip_special_tokens=skip), reason.value, None, score)
-            for i, (score, ids, reason) in enumerate(g.beam.finished)
-        ]

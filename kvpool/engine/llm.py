@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm import tqdm
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.loader import LoadedModel
+from kvpool.engine.outputs import FinishedOutputs, RequestOutput
 from kvpool.engine.prompts import normalize_prompts
 from kvpool.errors import KVPoolError
 from kvpool.sched.sampling_params import SamplingParams
@@ -27,9 +28,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
+    def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> LLM:
+        """An LLM on `config` (on `loaded`, a model already in memory, when given)."""
         llm = cls.__new__(cls)
-        llm.engine = Engine(config)
+        llm.engine = Engine(config, loaded)
         llm.tokenizer = llm.engine.tokenizer
         return llm
 
@@ -73,14 +75,9 @@ class LLM:
         return self.generate(token_prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm, leave=False)
         try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
+            done = step_until_done(self.engine, lambda _: bar.update(1))
         finally:
             bar.close()
         failed = [o for o in done.values() if o.error is not None]
@@ -93,10 +90,18 @@ def run_to_completion(engine: Engine, prompts: Sequence[list[int]], params: Samp
     """Add `prompts` together and step until every one finishes; final outputs in prompt order
     (a failed request's output carries its error). The offline loop tests and benchmarks share."""
     ids = [engine.add_request(p, params) for p in prompts]
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = step_until_done(engine)
     return [done[i] for i in ids]
 
+
+def step_until_done(engine: Engine, on_finish: Callable[[RequestOutput], object] | None = None,
+                    ) -> dict[str, RequestOutput]:
+    """Step while anything is unfinished; every request's whole output by id (its deltas folded)."""
+    finished = FinishedOutputs()
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in finished.add(engine.step()):
+            done[out.request_id] = out
+            if on_finish is not None:
+                on_finish(out)
+    return done

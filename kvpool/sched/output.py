@@ -94,9 +94,9 @@ class Sample:
     candidates: list[tuple[int, float]] | None = None
 
 
-# The driver's detokenizer: called with each appended token (group, seq, check_stop_strings);
-# returns the stop string the text now ends with (already trimmed by the driver), or None.
-TextHook = Callable[[SequenceGroup, Sequence, bool], str | None]
+# The driver's output constraint (a grammar), told each appended token (group, seq, token):
+# True when the constraint is complete with it, and so the core stops the sequence.
+ConstraintHook = Callable[[SequenceGroup, Sequence, int], bool]
 
 # How many of the given hashes, from the first, an external KV store holds.
 ExternalLookup = Callable[[Seq[BlockHash]], int]

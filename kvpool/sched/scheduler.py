@@ -3,8 +3,9 @@
 Pure Python and clock-free. Every driver's step is three calls: `out = schedule()`; the
 driver carries out the plan (copies, swaps, a forward pass and sampling, or their cost);
 `postprocess(out, sampled)` commits the written KV, forks a request's samples on its first
-token, runs beam steps, appends tokens, checks every stop condition (stop strings through the
-driver's detokenizer hook) and frees what finished.
+token, runs beam steps, appends tokens, checks every stop condition and frees what finished.
+Stop strings need text, which only the driver has: its output processor reports a hit with
+`stop_at_strings` before the next `schedule()`, and the sequence stops here, in the core.
 
 Policy, in order, each step:
 1. running groups, oldest first: decode tokens and prefill chunks within the token budget;
@@ -34,16 +35,17 @@ from kvpool.sched.config import SchedulerConfig
 from kvpool.sched.decode_batch import DecodeBatch, plain_decode
 from kvpool.sched.forks import Forks
 from kvpool.sched.output import (
+    ConstraintHook,
     ExternalLookup,
     KVLoad,
     Sample,
     ScheduledSeq,
     SchedulerOutput,
-    TextHook,
 )
 from kvpool.sched.preemption import Preemption
 from kvpool.sched.queues import Queues
 from kvpool.sched.request import FinishReason, SeqStatus, Sequence, SequenceGroup
+from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.stops import Stops
 from kvpool.sched.waiting_order import WaitingOrder
 
@@ -129,33 +131,23 @@ class Scheduler:
         return self.forks.new(prompt_token_ids)
 
     def add_request(self, group: SequenceGroup) -> None:
-        """Queue a group; rejects one that could never fit."""
+        """Queue a group the driver has validated (`check_capacity` is the core's part of that:
+        the engine's `InputProcessor` is the one station that refuses requests)."""
         if group.request_id in self.groups:
             raise InvalidRequest(f"request id {group.request_id!r} is already in use", param="request_id")
-        prompt_len = group.seqs[0].prompt_len
-        if prompt_len == 0:
-            raise InvalidRequest("prompt is empty", param="prompt")
-        total = prompt_len + group.params.max_tokens
-        if total > self.config.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({prompt_len} tokens) + max_tokens ({group.params.max_tokens}) = {total} "
-                f"exceeds the model's context length of {self.config.max_model_len} tokens",
-                param="max_tokens" if prompt_len < self.config.max_model_len else "prompt",
-            )
-        width = group.params.num_samples
-        if width > self.config.max_num_seqs:  # a group runs all its sequences in one batch: it would wait forever
-            name = "best_of" if group.params.best_of else "n"
-            raise InvalidRequest(f"{name}={width} sequences cannot run in one batch of at most "
-                                 f"{self.config.max_num_seqs} (max_num_seqs)", param=name)
+        self.groups[group.request_id] = group
+        self.waiting.append(group)
+
+    def check_capacity(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise InvalidRequest when a group of `prompt_len` prompt tokens could never hold
+        its KV in this cache (it would wait forever)."""
         chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else None
-        blocks = width * self.kv.max_blocks(prompt_len, total, chunk)
+        blocks = params.num_samples * self.kv.max_blocks(prompt_len, prompt_len + params.max_tokens, chunk)
         if blocks > self.config.num_blocks:
             raise InvalidRequest(
                 f"request needs up to {blocks} KV blocks but the cache has only {self.config.num_blocks}",
                 param="max_tokens",
             )
-        self.groups[group.request_id] = group
-        self.waiting.append(group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Drop a request wherever it is; its blocks are free when this returns."""
@@ -170,6 +162,14 @@ class Scheduler:
     def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """End a sequence (the driver's verdict on a failed row); its blocks are freed."""
         self.stops.finish(seq, reason, stop_reason)
+
+    def stop_at_strings(self, hits: Iterable[tuple[Sequence, str]]) -> list[SequenceGroup]:
+        """The output processor found stop string `stop` in the text of `seq`'s newest tokens
+        (`kvpool/engine/output_processor.py`): stop it (`Stops.stop_string`); returns the groups
+        that finished with it (freed)."""
+        for seq, stop in hits:
+            self.stops.stop_string(seq, stop)
+        return self.queues.free_finished()
 
     def early_stop_tokens(self, group: SequenceGroup, seq: Sequence) -> list[int]:
         """Tokens the sampler must not draw for `seq` now (`Stops.early_stop_tokens`)."""
@@ -253,11 +253,13 @@ class Scheduler:
             num_seqs += len(live)
 
     def postprocess(
-        self, out: SchedulerOutput, sampled: list[Sample | None], on_text: TextHook | None = None
+        self, out: SchedulerOutput, sampled: list[Sample | None], constraint: ConstraintHook | None = None
     ) -> list[SequenceGroup]:
         """The step ran and `sampled[i]` is what the driver drew for `out.sampling[i]` (None:
         that row's request failed and was aborted). Commit the written KV, fork on a first
-        sample, step beams, append tokens, check stops; returns the groups that finished (freed)."""
+        sample, step beams, append tokens, check stops (a grammar's end through `constraint`);
+        returns the groups that finished (freed). Stop strings need text: the driver reports
+        them afterwards (`stop_at_strings`)."""
         self._commit(out)
         beams: dict[str, tuple[SequenceGroup, list]] = {}
         append = self.stops.append
@@ -269,13 +271,16 @@ class Scheduler:
             if g.beam is not None:
                 beams.setdefault(g.request_id, (g, []))[1].append((seq, smp.candidates))
                 continue
+            if g.params.max_tokens == 0:  # prompt logprobs only: done once the prompt is computed
+                self.stops.finish(seq, FinishReason.LENGTH)
+                continue
             targets = [seq]
             if s.num_samples > 1 and not g.forked:
                 g.forked = True
                 targets += [self._fork_sample(g, seq, i) for i in range(1, s.num_samples)]
             tokens, lps, tops = smp.token_ids, smp.logprobs, smp.top_logprobs
             for j, t in enumerate(targets):
-                append(g, t, tokens[j], lps[j] if lps else 0.0, tops[j] if tops else None, on_text)
+                append(g, t, tokens[j], lps[j] if lps else 0.0, tops[j] if tops else None, constraint)
         for g, rows in beams.values():
             self.stops.num_generated_tokens += self.beams.step(g, rows)
         return self.queues.free_finished()

@@ -1,7 +1,7 @@
 """The synchronous engine behind an asyncio front: one thread owns the engine.
 
 The HTTP side never touches the engine directly. It sends commands through a thread-safe
-queue; the engine thread applies them between steps and hands cumulative outputs back to
+queue; the engine thread applies them between steps and hands each step's deltas back to
 per-request asyncio queues with `call_soon_threadsafe`. When nothing is unfinished the
 thread sleeps on the command queue, so an idle server costs nothing.
 """
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.outputs import OutputAccumulator, RequestOutput
 from kvpool.errors import InvalidRequest, KVPoolError, Overloaded
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.serve.errors import ShuttingDown
@@ -68,6 +68,7 @@ class _AbortAll:
 class _Route:
     sink: asyncio.Queue
     index: int
+    generated: dict[int, int] = field(default_factory=dict)  # output index -> tokens so far (metrics)
 
 
 @dataclass(slots=True)
@@ -181,7 +182,7 @@ class AsyncEngine:
         """Queue one engine request per prompt, all or none, and return their outputs' stream.
 
         Raises InvalidRequest / Overloaded if the engine refuses (nothing stays queued then).
-        The stream yields (prompt index, cumulative output) until every prompt finishes;
+        The stream yields (prompt index, the output's delta) until every prompt finishes;
         leaving it early (client gone) aborts whatever is unfinished.
         """
         if self._draining:
@@ -205,16 +206,17 @@ class AsyncEngine:
         unfinished = set(range(len(ids)))
         try:
             while unfinished:
-                latest = {}
+                backlog: dict[int, list[RequestOutput]] = {}
                 item = await sink.get()
-                while True:  # coalesce: outputs are cumulative, a slow reader only needs the last
+                while True:  # coalesce: a slow reader gets one record per prompt, its deltas folded
                     if isinstance(item, BaseException):
                         raise item
-                    latest[item[0]] = item
+                    backlog.setdefault(item[0], []).append(item[1])
                     if sink.empty():
                         break
                     item = sink.get_nowait()
-                for index, out in latest.values():
+                for index, deltas in backlog.items():
+                    out = deltas[0] if len(deltas) == 1 else _fold(deltas)
                     if out.finished:
                         unfinished.discard(index)
                     yield index, out
@@ -323,9 +325,11 @@ class AsyncEngine:
             # an error for its client alone; the requests beside it carry on.
             item = KVPoolError(out.error) if out.error is not None else (route.index, out)
             batch.append((route.sink, item))
+            for c in out.outputs:
+                route.generated[c.index] = route.generated.get(c.index, 0) + len(c.token_ids)
             if out.finished:
                 del self._routes[out.request_id]
-                self.metrics.observe_finished(out)
+                self.metrics.observe_finished(out, list(route.generated.values()))
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)
         return bool(outputs)
@@ -342,6 +346,13 @@ class AsyncEngine:
 
     def _resolve(self, fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
         self._loop.call_soon_threadsafe(_settle, fut, result, error)
+
+
+def _fold(deltas: list[RequestOutput]) -> RequestOutput:
+    acc = OutputAccumulator()
+    for d in deltas:
+        acc.add(d)
+    return acc.result()
 
 
 def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:

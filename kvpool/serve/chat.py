@@ -14,12 +14,13 @@ from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.serve.auth import request_salt
+from kvpool.serve.front import chat_choice, chat_delta, response_head, role_delta
 from kvpool.serve.protocol import ChatCompletionRequest, ChatMessage
 from kvpool.serve.responses import (
     Cursor,
+    StreamUsage,
     chat_logprobs,
     collect,
-    holdback_for,
     sse_stream,
     system_fingerprint,
     unless_disconnected,
@@ -27,7 +28,7 @@ from kvpool.serve.responses import (
 )
 from kvpool.serve.sampling_map import compact_json
 from kvpool.serve.state import ServerState
-from kvpool.serve.tools import ToolPlan
+from kvpool.serve.tools import CallStream, ToolPlan
 
 
 def render(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -68,13 +69,14 @@ async def submit_chat(state: ServerState, req: ChatCompletionRequest, raw: Reque
     """Validate, render and submit (shared by /v1/chat/completions and /v1/responses)."""
     arrival = time.monotonic() if arrival is None else arrival
     req.check(state.vocab_size)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     plan = ToolPlan.of(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_call_parser)
     ids = await state.off_loop(render_request, state.tokenizer, req, plan)
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = state.default_max_tokens(len(ids), req.n)
     params = plan.constrain(req.sampling_params(max_tokens, req.num_logprobs), compact_json(req))
+    params.lora = lora
     rid = state.engine.new_request_id(prefix)
     salt = request_salt(raw, req.cache_salt, req.cache_scope)
     stream = await state.engine.submit(rid, [ids], params, arrival, salt)
@@ -83,11 +85,10 @@ async def submit_chat(state: ServerState, req: ChatCompletionRequest, raw: Reque
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     run = await submit_chat(state, req, raw)
-    plan, params, stream = run.plan, run.params, run.stream
-    head = {"id": run.rid, "created": int(time.time()), "model": state.model_name,
-            "system_fingerprint": system_fingerprint(state)}
+    plan, stream = run.plan, run.stream
+    head = response_head(run.rid, int(time.time()), state.reported_model(req.model), system_fingerprint(state))
     if req.stream:
-        chunks = _chunks(state, req, plan, head, stream, holdback_for(params.stop))
+        chunks = _chunks(state, req, plan, head, stream)
         return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
     out = (await unless_disconnected(raw, collect(stream)))[0]
     choices = [_choice(state, plan, c) for c in out.outputs]
@@ -95,46 +96,56 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 def _choice(state: ServerState, plan: ToolPlan, c: CompletionOutput) -> dict[str, Any]:
+    return whole_choice(plan, c.index, c.text, chat_logprobs(state.tokenizer, c, 0), c.finish_reason, c.stop_reason)
+
+
+def whole_choice(plan: ToolPlan, index: int, text: str, logprobs: dict[str, Any] | None,
+                 finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+    """A whole chat choice: the text as the assistant's message, its tool calls parsed out."""
     calls = plan.stream()
-    content, found = calls.message(c.text)
+    content, found = calls.message(text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if found:
         message["tool_calls"] = [call.as_message_part() for call in found]
-    return {"index": c.index, "message": message, "logprobs": chat_logprobs(state.tokenizer, c, 0),
-            "finish_reason": plan.finish_reason(c.finish_reason, calls.called), "stop_reason": c.stop_reason}
+    return chat_choice(index, message, logprobs, plan.finish_reason(finish_reason, calls.called), stop_reason)
+
+
+def delta_choices(plan: ToolPlan, calls: CallStream, index: int, text: str, done: bool,
+                  logprobs: dict[str, Any] | None, new_tokens: bool, finish_reason: str | None,
+                  stop_reason: int | str | None) -> list[dict[str, Any]]:
+    """One sample's new text as chat chunk choices: one per piece (a tool call's header, then its
+    arguments), logprobs on the first, the finish reason on the last; none while there is nothing
+    to say (e.g. a forced call's JSON before its name is known)."""
+    pieces = calls.feed(text) + (calls.finish() if done else [])
+    if not pieces and not done and (not new_tokens or logprobs is None):
+        return []
+    pieces = pieces or [{}]
+    last = len(pieces) - 1
+    return [chat_delta(index, delta, logprobs if k == 0 else None,
+                       plan.finish_reason(finish_reason, calls.called) if k == last and done else None,
+                       stop_reason if k == last and done else None) for k, delta in enumerate(pieces)]
 
 
 async def _chunks(
     state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, head: dict[str, Any],
-    stream: AsyncIterator[tuple[int, RequestOutput]], holdback: int,
+    stream: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[dict[str, Any]]:
     head = {**head, "object": "chat.completion.chunk"}
     for i in range(req.n):  # the role comes first, as OpenAI sends it
-        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}
+        yield {**head, "choices": [role_delta(i)]}
     cursors = [Cursor() for _ in range(req.n)]
     calls = [plan.stream() for _ in range(req.n)]
-    last: RequestOutput | None = None
-    async for _, out in stream:
-        last = out
+    tally = StreamUsage()
+    async for _, out in stream:  # the engine's deltas
+        tally.add(0, out)
         for c in out.outputs:
             cur = cursors[c.index]
             if cur.done:
                 continue
-            text, first = cur.advance(c, holdback)
-            pieces = calls[c.index].feed(text) + (calls[c.index].finish() if cur.done else [])
-            if not pieces and not cur.done and (first == cur.tokens_sent or c.logprobs is None):
-                continue  # nothing to say yet (e.g. a forced call's JSON before its name is known)
-            # one chunk per piece (a tool call's header, then its arguments); logprobs ride on
-            # the first, the finish reason on the last
-            pieces = pieces or [{}]
-            for k, delta in enumerate(pieces):
-                final = k == len(pieces) - 1 and cur.done
-                yield {**head, "choices": [{
-                    "index": c.index, "delta": delta,
-                    "logprobs": chat_logprobs(state.tokenizer, c, first) if k == 0 else None,
-                    "finish_reason": plan.finish_reason(c.finish_reason, calls[c.index].called) if final else None,
-                    "stop_reason": c.stop_reason if final else None,
-                }]}
-    if req.include_usage and last is not None:
-        yield {**head, "choices": [], "usage": usage({0: last})}
+            cur.advance(c)
+            for choice in delta_choices(plan, calls[c.index], c.index, c.text, cur.done,
+                                        chat_logprobs(state.tokenizer, c, 0), bool(c.token_ids),
+                                        c.finish_reason, c.stop_reason):
+                yield {**head, "choices": [choice]}
+    if req.include_usage and tally.last:
+        yield {**head, "choices": [], "usage": tally.usage()}

@@ -11,14 +11,14 @@ from starlette.requests import Request
 
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.serve.auth import request_salt
+from kvpool.serve.front import completion_choice, response_head
 from kvpool.serve.protocol import CompletionRequest
 from kvpool.serve.responses import (
     Cursor,
+    StreamUsage,
     collect,
     completion_logprobs,
     echo_logprobs,
-    holdback_for,
-    prompt_complete,
     sse_stream,
     system_fingerprint,
     unless_disconnected,
@@ -31,7 +31,7 @@ from kvpool.serve.state import ServerState
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     arrival = time.monotonic()
     req.check(state.vocab_size)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     tok = state.tokenizer
     prompts = req.prompt_list()
     ids, texts = await state.off_loop(_encode, tok, prompts, req.echo, req.add_special_tokens)
@@ -39,13 +39,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if max_tokens is None:
         max_tokens = state.default_max_tokens(max(len(p) for p in ids), req.n)
     params = req.sampling_params(max_tokens, req.logprobs, req.num_prompt_logprobs)
+    params.lora = lora
     rid = state.engine.new_request_id("cmpl")
     salt = request_salt(raw, req.cache_salt, req.cache_scope)
     stream = await state.engine.submit(rid, ids, params, arrival, salt)
-    head = {"id": rid, "created": int(time.time()), "model": state.model_name,
-            "system_fingerprint": system_fingerprint(state)}
+    head = response_head(rid, int(time.time()), state.reported_model(req.model), system_fingerprint(state))
     if req.stream:
-        chunks = _chunks(state, req, head, stream, texts, holdback_for(params.stop))
+        chunks = _chunks(state, req, head, stream, texts)
         return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
     outputs = await unless_disconnected(raw, collect(stream))
     choices = []
@@ -53,9 +53,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         for c in out.outputs:
             echo = texts[p_index] if req.echo else ""
             choices.append({
-                "index": p_index * req.n + c.index, "text": echo + c.text,
-                "logprobs": _logprobs(tok, req, out, c, 0, len(echo), first_chunk=True),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                **completion_choice(p_index * req.n + c.index, echo + c.text,
+                                    _logprobs(tok, req, out, c, 0, len(echo), first_chunk=True),
+                                    c.finish_reason, c.stop_reason),
                 **_prompt_field(tok, req, out),
             })
     choices.sort(key=lambda ch: ch["index"])
@@ -87,35 +87,36 @@ def _encode(tok, prompts: list[str | list[int]], echo: bool, add_special_tokens:
 
 async def _chunks(
     state: ServerState, req: CompletionRequest, head: dict[str, Any],
-    stream: AsyncIterator[tuple[int, RequestOutput]], texts: list[str], holdback: int,
+    stream: AsyncIterator[tuple[int, RequestOutput]], texts: list[str],
 ) -> AsyncIterator[dict[str, Any]]:
+    """A chunk per choice per engine delta with something to say; a choice's first chunk
+    carries its echo and the prompt's logprobs (the request's first record holds them)."""
     cursors: dict[int, Cursor] = {}
-    last: dict[int, RequestOutput] = {}
+    tally = StreamUsage()
+    firsts: dict[int, RequestOutput] = {}  # each prompt's first record: its prompt logprobs
     head = {**head, "object": "text_completion"}
-    wait_prompt = req.num_prompt_logprobs is not None
     async for p_index, out in stream:
-        last[p_index] = out
+        tally.add(p_index, out)
+        first_out = firsts.setdefault(p_index, out)
         for c in out.outputs:
             index = p_index * req.n + c.index
             cur = cursors.get(index)
             echo = texts[p_index] if req.echo else ""
             prefix, first_chunk = "", cur is None
             if cur is None:
-                if wait_prompt and not prompt_complete(out) and c.finish_reason is None:
-                    continue  # the first chunk carries the prompt's logprobs: all of them
                 cur = cursors[index] = Cursor()
                 prefix = echo
             if cur.done:
                 continue
-            delta, first = cur.advance(c, holdback)
-            if not delta and first == cur.tokens_sent and not cur.done and not (first_chunk and prefix):
+            offset = len(echo) + cur.text_sent
+            cur.advance(c)
+            if not c.text and not c.token_ids and not cur.done and not (first_chunk and prefix):
                 continue
             yield {**head, "choices": [{
-                "index": index, "text": prefix + delta,
-                "logprobs": _logprobs(state.tokenizer, req, out, c, first, len(echo) + cur.text_sent - len(delta),
-                                      first_chunk),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                **(_prompt_field(state.tokenizer, req, out) if first_chunk else {}),
+                **completion_choice(index, prefix + c.text,
+                                    _logprobs(state.tokenizer, req, first_out, c, 0, offset, first_chunk),
+                                    c.finish_reason, c.stop_reason),
+                **(_prompt_field(state.tokenizer, req, first_out) if first_chunk else {}),
             }]}
     if req.include_usage:
-        yield {**head, "choices": [], "usage": usage(last)}
+        yield {**head, "choices": [], "usage": tally.usage()}

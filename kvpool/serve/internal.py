@@ -27,7 +27,7 @@ from fastapi.responses import StreamingResponse
 from kvpool.errors import InvalidRequest, Overloaded
 from kvpool.serve.errors import classify
 from kvpool.serve.protocol import CompletionRequest
-from kvpool.serve.responses import Cursor, holdback_for
+from kvpool.serve.responses import Cursor, kv_breakdown, system_fingerprint
 from kvpool.serve.state import ServerState
 
 ROLES = ("prefill", "decode", "both")
@@ -85,6 +85,7 @@ def build_internal_router(state: ServerState, role: str, kv_remote: str | None) 
         return {
             "boot_id": boot_id, "role": role, "model": state.model_name, "namespace": namespace,
             "block_size": block_size, "max_model_len": state.max_model_len, "kv_remote": kv_remote,
+            "vocab_size": state.vocab_size, "system_fingerprint": system_fingerprint(state),
             "load": load, "cursor": log.cursor, **log.since(since),
         }
 
@@ -102,23 +103,26 @@ def build_internal_router(state: ServerState, role: str, kv_remote: str | None) 
             raise Overloaded("this decode instance cannot hold the request's KV now")  # the simulator's rule
         rid = state.engine.new_request_id("int")
         stream = await state.engine.submit(rid, prompt, params, time.monotonic(), req.cache_salt)
-        return StreamingResponse(_lines(stream, holdback_for(params.stop)), media_type="application/x-ndjson")
+        return StreamingResponse(_lines(stream), media_type="application/x-ndjson")
 
     return router
 
 
-async def _lines(stream: AsyncIterator, holdback: int) -> AsyncIterator[str]:
-    """One JSON line per engine output: new token ids, new text, and the finish reason."""
+async def _lines(stream: AsyncIterator) -> AsyncIterator[str]:
+    """One JSON line per engine delta: new token ids, new text, and the finish reason."""
     cursor = Cursor()
     try:
         async for _, out in stream:
+            if not out.outputs:
+                continue
             c = out.outputs[0]
             first = cursor.tokens_sent
-            delta, _ = cursor.advance(c, holdback)
-            yield json.dumps({
-                "token_ids": c.token_ids[first:], "text": delta, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, "num_cached_tokens": out.num_cached_tokens,
-                "prompt_tokens": len(out.prompt_token_ids),
-            }, ensure_ascii=False) + "\n"
+            cursor.advance(c)
+            line = {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason, "num_cached_tokens": out.num_cached_tokens,
+                    "prompt_tokens": len(out.prompt_token_ids)}
+            if first == 0:  # the prompt's KV sources, for the conductor's usage
+                line["kv_breakdown"] = kv_breakdown([out])
+            yield json.dumps(line, ensure_ascii=False) + "\n"
     except Exception as e:  # noqa: BLE001 - the status line is already sent
         yield json.dumps(classify(e)[1]) + "\n"

@@ -289,8 +289,9 @@ class ServerMetrics:
         self._cached_by_source.labels(self._model, "local_cache_hit").inc(local)
         self._cached_by_source.labels(self._model, "external_kv_transfer").inc(external)
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """A finished request's latencies, sizes and parameters."""
+    def observe_finished(self, out: RequestOutput, generated: list[int]) -> None:
+        """A finished request's latencies, sizes and parameters (`out`: its last record;
+        `generated`: the tokens each of its outputs got, over all its records)."""
         m = out.metrics
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
@@ -306,11 +307,10 @@ class ServerMetrics:
         self.request_kv_computed.observe(max(0, len(out.prompt_token_ids) - out.num_cached_tokens))
         reason = out.outputs[0].finish_reason if out.outputs else None
         self._success.labels(self._model, reason or "unknown").inc()
-        self._observe_request(out)
+        self._observe_request(out, generated)
 
-    def _observe_request(self, out: RequestOutput) -> None:
+    def _observe_request(self, out: RequestOutput, generated: list[int]) -> None:
         m = out.metrics
-        generated = [len(o.token_ids) for o in out.outputs]
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
         self.request_generation_tokens.observe(sum(generated))
         self.request_max_generation_tokens.observe(max(generated, default=0))

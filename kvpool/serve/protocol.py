@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpool.engine.input_processor import check_token_ids
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.serve.sampling_map import control_params
@@ -56,15 +57,6 @@ def check_text(value: Any, param: str) -> None:
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(x for x in v if not isinstance(x, int))
-
-
-def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
-    if vocab_size is None:
-        return
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise InvalidRequest(f"{param}: token id {t} is outside the vocabulary (0..{vocab_size - 1})",
-                                 param=param)
 
 
 class _Body(BaseModel):

@@ -12,8 +12,9 @@ from typing import Any
 from starlette.requests import Request
 
 from kvpool.core.miss_reasons import DIFFERENT_SALT, FIRST_SEEN
-from kvpool.engine.outputs import CompletionOutput, RequestOutput
+from kvpool.engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from kvpool.serve.errors import classify
+from kvpool.serve.front import usage_counts
 
 
 def system_fingerprint(state: Any) -> str:
@@ -44,21 +45,20 @@ def kv_breakdown(outputs: list[RequestOutput]) -> dict[str, dict[str, int]]:
     return {"kvpool_sources": sources, "kvpool_miss_reasons": misses}
 
 
-def usage(outputs: dict[int, RequestOutput]) -> dict[str, Any]:
-    """OpenAI's usage, with kvpool's breakdown of the prompt tokens (`kv_breakdown`) in its details."""
-    out = openai_usage(outputs)
+def usage(outputs: dict[int, RequestOutput], completion_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage, with kvpool's breakdown of the prompt tokens (`kv_breakdown`) in its details
+    (`completion_tokens`: counted by the caller from a stream's deltas, else those of `outputs`)."""
+    out = openai_usage(outputs, completion_tokens)
     out["prompt_tokens_details"].update(kv_breakdown(list(outputs.values())))
     return out
 
 
-def openai_usage(outputs: dict[int, RequestOutput]) -> dict[str, Any]:
+def openai_usage(outputs: dict[int, RequestOutput], completion_tokens: int | None = None) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs.values())
-    completion = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
+    completion = completion_tokens if completion_tokens is not None else sum(
+        len(c.token_ids) for o in outputs.values() for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs.values())
-    return {
-        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+    return usage_counts(prompt, completion, cached)
 
 
 def completion_logprobs(tokenizer, out: CompletionOutput, start: int, offset: int) -> dict[str, Any] | None:
@@ -80,11 +80,6 @@ def completion_logprobs(tokenizer, out: CompletionOutput, start: int, offset: in
         ],
         "text_offset": offsets,
     }
-
-
-def prompt_complete(out: RequestOutput) -> bool:
-    """Have the prompt's logprobs all been computed (the prompt is scored as it is prefilled)?"""
-    return out.prompt_logprobs is not None and len(out.prompt_logprobs) >= len(out.prompt_token_ids)
 
 
 def echo_logprobs(tokenizer, out: RequestOutput, num_top: int,
@@ -148,24 +143,32 @@ def chat_logprobs(tokenizer, out: CompletionOutput, start: int) -> dict[str, Any
 
 @dataclass(slots=True)
 class Cursor:
-    """How much of one choice has been streamed; text near a possible stop string is held back."""
+    """What one choice has streamed: its text length (logprob text offsets) and its end. The
+    engine's deltas hold back text that may become a stop string already."""
 
     text_sent: int = 0
     tokens_sent: int = 0
     done: bool = False
 
-    def advance(self, out: CompletionOutput, holdback: int) -> tuple[str, int]:
-        """The new text and the index of the first unsent token; moves the cursor."""
-        end = len(out.text) if out.finish_reason else max(self.text_sent, len(out.text) - holdback)
-        delta = out.text[self.text_sent:end]
-        first_token = self.tokens_sent
-        self.text_sent, self.tokens_sent = end, len(out.token_ids)
-        self.done = out.finish_reason is not None
-        return delta, first_token
+    def advance(self, delta: CompletionOutput) -> None:
+        self.text_sent += len(delta.text)
+        self.tokens_sent += len(delta.token_ids)
+        self.done = delta.finish_reason is not None
 
 
-def holdback_for(stop: list[str]) -> int:
-    return max((len(s) for s in stop), default=1) - 1
+class StreamUsage:
+    """A streamed request's usage from its deltas: each prompt's latest record and the tokens."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, RequestOutput] = {}
+        self.completion_tokens = 0
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        self.last[index] = out
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.last, self.completion_tokens)
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -199,8 +202,10 @@ async def unless_disconnected(request: Request, work: Awaitable[Any], poll_s: fl
 
 
 async def collect(stream: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
-    """The final output of every prompt of a request."""
-    last: dict[int, RequestOutput] = {}
+    """The whole output of every prompt of a request (its deltas folded)."""
+    acc: dict[int, OutputAccumulator] = {}
     async for index, out in stream:
-        last[index] = out
-    return last
+        if index not in acc:
+            acc[index] = OutputAccumulator()
+        acc[index].add(out)
+    return {index: a.result() for index, a in acc.items()}

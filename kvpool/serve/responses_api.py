@@ -17,10 +17,10 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.outputs import OutputAccumulator, RequestOutput
 from kvpool.serve.chat import ChatRun, submit_chat
 from kvpool.serve.errors import classify
-from kvpool.serve.responses import Cursor, collect, holdback_for, unless_disconnected
+from kvpool.serve.responses import Cursor, collect, unless_disconnected
 from kvpool.serve.responses_protocol import ResponsesRequest
 from kvpool.serve.state import ServerState
 
@@ -114,7 +114,7 @@ def _response(state: ServerState, req: ResponsesRequest, rid: str, created: int,
     if status == "completed" and reason == "length":
         status = "incomplete"
     return {
-        "id": rid, "object": "response", "created_at": created, "status": status, "model": state.model_name,
+        "id": rid, "object": "response", "created_at": created, "status": status, "model": state.reported_model(req.model),
         "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
         "output": items, "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
@@ -152,24 +152,26 @@ async def _events(state: ServerState, req: ResponsesRequest, run: ChatRun, rid: 
         return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     items, calls, cursor = OutputItems(), run.plan.stream(), Cursor()
-    holdback = holdback_for(run.params.stop)
     yield event({"type": "response.created", "response": _response(state, req, rid, created, "in_progress", [], None)})
     yield event({"type": "response.in_progress",
                  "response": _response(state, req, rid, created, "in_progress", [], None)})
-    last: RequestOutput | None = None
+    folded, last = OutputAccumulator(), None
     try:
-        async for _, out in run.stream:
+        async for _, out in run.stream:  # the engine's deltas, folded for the usage at the end
+            folded.add(out)
             last = out
-            text, _ = cursor.advance(out.outputs[0], holdback)
-            for piece in calls.feed(text) + (calls.finish() if cursor.done else []):
+            if not out.outputs:
+                continue
+            cursor.advance(out.outputs[0])
+            for piece in calls.feed(out.outputs[0].text) + (calls.finish() if cursor.done else []):
                 for e in items.apply(piece):
                     yield event(e)
     except Exception as e:  # noqa: BLE001 - the status line is already sent
         body = classify(e)[1]["error"]
         yield event({"type": "response.failed", "response": {
-            **_response(state, req, rid, created, "failed", items.items, last), "error": body}})
+            **_response(state, req, rid, created, "failed", items.items, last and folded.result()), "error": body}})
         return
     for e in items.finish():
         yield event(e)
-    final = _response(state, req, rid, created, "completed", items.items, last)
+    final = _response(state, req, rid, created, "completed", items.items, last and folded.result())
     yield event({"type": f"response.{final['status']}", "response": final})

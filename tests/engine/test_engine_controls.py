@@ -10,6 +10,7 @@ import torch
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
+from kvpool.engine.llm import step_until_done
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
 
@@ -24,11 +25,7 @@ def engine(loaded) -> Engine:
 
 def run(engine: Engine, prompt, params: SamplingParams):
     rid = engine.add_request(prompt, params)
-    done = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == rid and out.finished:
-                done = out
+    done = step_until_done(engine).get(rid)
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.pool.num_blocks
     return done
 

@@ -12,6 +12,7 @@ import pytest
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
+from kvpool.engine.llm import step_until_done
 from kvpool.errors import ConfigError
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.store.codec import CODECS
@@ -26,11 +27,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def run(engine: Engine, prompt: str = PROMPT):
     rid = engine.add_request(prompt, GREEDY)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished and out.request_id == rid:
-                result = out
-    return result
+    return step_until_done(engine)[rid]
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +134,7 @@ def serve_both(engine: Engine, reference, other_reference):
     """PROMPT (its device copy dropped, so it must come from the store) and OTHER at once."""
     engine.scheduler.kv.reset_prefix_cache()
     ids = {engine.add_request(PROMPT, GREEDY): "prompt", engine.add_request(OTHER, GREEDY): "other"}
-    outs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outs[ids[out.request_id]] = out
+    outs = {ids[rid]: out for rid, out in step_until_done(engine).items()}
     assert outs["prompt"].outputs[0].token_ids == reference
     assert outs["other"].outputs[0].token_ids == other_reference
     kv = engine.scheduler.kv

@@ -130,14 +130,15 @@ def test_prefix_cache_hits_skip_prompt_tokens():
     assert out.scheduled[0].num_new_tokens == 6
 
 
-def test_requests_that_cannot_fit_are_rejected_clearly():
+def test_requests_that_cannot_fit_the_cache_are_refused_clearly():
+    """The core's part of validation (the input processor asks it): a group whose KV could
+    never fit would wait forever. The context length and an empty prompt: tests/engine/test_input_processor.py."""
     d = Driver(num_blocks=8, block_size=16, max_model_len=256)
-    with pytest.raises(InvalidRequest, match="exceeds the model's context length of 256"):
-        d.add("big", list(range(250)), max_tokens=10)
     with pytest.raises(InvalidRequest, match="cache has only 8"):
-        d.add("wide", list(range(100)), max_tokens=100)
-    with pytest.raises(InvalidRequest, match="empty"):
-        d.add("empty", [], max_tokens=10)
+        d.s.check_capacity(100, SamplingParams(max_tokens=100))
+    d.s.check_capacity(100, SamplingParams(max_tokens=20))  # 8 blocks of 16 hold 120 tokens
+    with pytest.raises(InvalidRequest, match="cache has only 8"):
+        d.s.check_capacity(100, SamplingParams(max_tokens=20, n=2))
     d.add("ok", list(range(10)), max_tokens=5)
     assert len(d.run()["ok"][0]) == 5
 

@@ -1,25 +1,10 @@
-"""Pure pieces of the server: streamed text never shows a stop string, and errors map to codes."""
+"""Pure pieces of the server: errors map to codes. (Held-back stop strings are the engine's:
+tests/engine/test_output_processor.py.)"""
 
 from __future__ import annotations
 
-from kvpool.engine.outputs import CompletionOutput
 from kvpool.errors import InvalidRequest, KVPoolError, Overloaded
 from kvpool.serve.errors import ModelNotFound, ShuttingDown, Unauthenticated, classify
-from kvpool.serve.responses import Cursor, holdback_for
-
-
-def test_cursor_holds_back_text_that_may_become_a_stop_string():
-    cur, hold = Cursor(), holdback_for(["\n\n"])
-    d1, _ = cur.advance(CompletionOutput(0, [1, 2], "Hello\n"), hold)
-    assert d1 == "Hello"  # the "\n" might start the stop string
-    d2, first = cur.advance(CompletionOutput(0, [1, 2, 3], "Hello", "stop", "\n\n"), hold)
-    assert d2 == "" and first == 2 and cur.done
-
-
-def test_cursor_releases_held_text_when_no_stop_follows():
-    cur, hold = Cursor(), holdback_for(["END"])
-    assert cur.advance(CompletionOutput(0, [1], "abcEN"), hold)[0] == "abc"
-    assert cur.advance(CompletionOutput(0, [1, 2], "abcENx", "length"), hold)[0] == "ENx"
 
 
 def test_every_kvpool_error_maps_to_its_http_status():
