@@ -15,8 +15,6 @@ VLLM_FLAGS = {
     "-tp": "kvpool runs each instance on one device: tensor parallelism is not supported",
     "--pipeline-parallel-size": "kvpool runs each instance on one device: pipeline parallelism is not supported",
     "--data-parallel-size": "run several `kvpool serve` instances behind `kvpool conductor` instead",
-    "--enable-lora": "LoRA adapters are not supported yet",
-    "--lora-modules": "LoRA adapters are not supported yet",
     "--trust-remote-code": "kvpool loads its own model code only (Llama-family, Qwen2, Mistral, Gemma-3 ...): "
                            "there is no remote code to trust",
     "--enforce-eager": "not needed: kvpool captures no CUDA graphs",

@@ -24,6 +24,7 @@ from kvpool.serve.gate import (
     QuietDisconnect,
 )
 from kvpool.serve.http_metrics import HTTPMetricsMiddleware
+from kvpool.serve.lora_routes import adapter_card, adapter_cards
 from kvpool.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,13 +76,16 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
     @v1.get("/models")
     async def models() -> dict:
         names = state.served_names or (state.model_name,)
-        return front.model_list(names, state.model_name, state.created, state.max_model_len)
+        listing = front.model_list(names, state.model_name, state.created, state.max_model_len)
+        listing["data"] += adapter_cards(state)  # LoRA adapters, each with its parent (vLLM's shape)
+        return listing
 
     @v1.get("/models/{model_id:path}")
     async def model_card(model_id: str) -> dict:
         if not model_id:
             raise ModelNotFound("give a model id: GET /v1/models/{id}", param="model")
-        state.check_model(model_id)  # 404 model_not_found for a name this server does not serve
+        if state.check_model(model_id) is not None:  # 404 model_not_found for a name this server does not serve
+            return adapter_card(state, model_id)
         return front.model_card(model_id, state.model_name, state.created, state.max_model_len)
 
     @v1.post("/responses")

@@ -20,6 +20,7 @@ from kvpool.errors import ConfigError
 from kvpool.serve.auth import ADMIN_KEY_ENV, add_auth_arguments, keyring_from_args
 from kvpool.serve.conn_guard import ConnectionLimits, guarded_h11
 from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES
+from kvpool.serve.lora_args import add_lora_arguments, lora_setup
 from kvpool.serve.tools import TOOL_CALL_PARSERS
 from kvpool.sizes import parse_bytes
 
@@ -53,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
                        help="largest request body accepted (e.g. 4MiB); larger ones get 413 (default: 4 MiB)")
     add_connection_arguments(group)
+    add_lora_arguments(parser)
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     group.add_argument("--watchdog-timeout", type=float, default=60.0,
@@ -192,6 +194,7 @@ def main(args: argparse.Namespace) -> int:
         args.publish_kv_events = True  # the conductor drains them through /internal/state
     server_config(None, args)  # the connection limits, checked before the model loads
     config = engine_config_from_args(args)  # every engine flag checked before anything loads
+    lora = lora_setup(args)  # --enable-lora and its flags, likewise
     check_port_free(args.host, args.port)
     if args.record_requests and not Path(args.record_requests).parent.is_dir():
         raise ConfigError(f"--record-requests {args.record_requests}: its directory does not exist")
@@ -217,14 +220,22 @@ def main(args: argparse.Namespace) -> int:
     names = served_names(args, engine.loaded)
     name = names[0]
     sched_cfg = engine.scheduler.config
+    aliases = model_aliases(args, engine.loaded, names)
+    adapters = None
+    if lora is not None:
+        from kvpool.serve.lora_routes import attach_adapters, build_lora_router
+
+        adapters = attach_adapters(engine, *lora, aliases | set(names))
     state = ServerState(
         engine=async_engine,
-        tokenizer=engine.tokenizer, model_name=name, aliases=model_aliases(args, engine.loaded, names),
+        tokenizer=engine.tokenizer, model_name=name, aliases=aliases,
         max_model_len=engine.max_model_len, kv_capacity_tokens=sched_cfg.num_blocks * sched_cfg.block_size,
         vocab_size=engine.loaded.config.vocab_size, keys=keys, tool_call_parser=args.tool_call_parser,
-        served_names=names,
+        served_names=names, lora=adapters,
     )
     app = build_app(state, args.shutdown_timeout, max_request_bytes)
+    if adapters is not None and args.allow_runtime_lora_updating:
+        app.include_router(build_lora_router(state))
     if args.role:
         from kvpool.serve.internal import build_internal_router
 

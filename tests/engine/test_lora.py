@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from test_architectures import SHAPE, _tokenizer_json
+from lora_models import hf_base, make_adapter, tiny_llama
 from test_engine import assert_no_leak
 
 from kvpool.engine.config import EngineConfig
@@ -27,7 +26,7 @@ from kvpool.engine.lora.peft_dir import load_adapter
 from kvpool.errors import ConfigError, InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 NEW_TOKENS = 10
@@ -40,46 +39,18 @@ ADAPTERS = {  # name: (target modules, r, lora_alpha, use_rslora, seed)
 WHO = (None, "A", "B")  # None: the base model
 
 
-def _hf_base(root: Path, dtype: torch.dtype = torch.float32):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.LlamaForCausalLM.from_pretrained(root / "base", dtype=dtype,
-                                                             attn_implementation="eager").eval()
-
-
-def make_adapter(root: Path, name: str, targets: list[str], r: int, alpha: int, rslora: bool = False,
-                 seed: int = 0, **extra) -> Path:
-    """A peft LoRA adapter with random A and B (B scaled up so it changes the greedy tokens)."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(_hf_base(root), peft.LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False, **extra))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(20)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(root / name)
-    return root / name
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     """A tiny random Llama directory (`base`) and the adapters of ADAPTERS beside it."""
     root = tmp_path_factory.mktemp("lora")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPE)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
-    _tokenizer_json(root / "base")
+    tiny_llama(root / "base")
     for name, (targets, r, alpha, rslora, seed) in ADAPTERS.items():
-        make_adapter(root, name, targets, r, alpha, rslora, seed)
+        make_adapter(root / "base", root / name, targets, r, alpha, rslora, seed)
     return root
 
 
 def hf_greedy(root: Path, adapter: str | None) -> list[list[int]]:
-    model = _hf_base(root)
+    model = hf_base(root / "base")
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, root / adapter).eval()
     out = []
@@ -226,6 +197,6 @@ def test_a_rank_over_the_limit_and_a_target_outside_the_layers_are_refused_by_na
     config = load_model(str(root / "base")).config
     with pytest.raises(ConfigError, match="rank 8 exceeds --max-lora-rank 4"):
         load_adapter("B", root / "B", config, 4, torch.device("cpu"))
-    head = make_adapter(root, "head", ["q_proj", "lm_head"], 4, 8)
+    head = make_adapter(root / "base", root / "head", ["q_proj", "lm_head"], 4, 8)
     with pytest.raises(ConfigError, match="lm_head"):
         load_adapter("head", head, config, 8, torch.device("cpu"))
