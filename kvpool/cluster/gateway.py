@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,10 +34,22 @@ from kvpool.conductor.conductor import Conductor
 from kvpool.conductor.predictor import StepTimePredictor
 from kvpool.conductor.records import ConductorConfig
 from kvpool.core.hashing import hash_blocks
+from kvpool.engine.input_processor import InputLimits, InputProcessor
 from kvpool.errors import ConfigError, InvalidRequest
+from kvpool.sched.sampling_params import SamplingParams
 from kvpool.serve.auth import KeyRing, request_salt
-from kvpool.serve.chat import render_request
-from kvpool.serve.errors import install_handlers
+from kvpool.serve.chat import delta_choices, render_request, whole_choice
+from kvpool.serve.errors import ModelNotFound, install_handlers
+from kvpool.serve.front import (
+    check_model,
+    completion_choice,
+    default_max_tokens,
+    model_card,
+    model_list,
+    response_head,
+    role_delta,
+    usage_counts,
+)
 from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, KeyGate, QuietDisconnect
 from kvpool.serve.protocol import ChatCompletionRequest, CompletionRequest, check_text
 from kvpool.serve.responses import sse_stream, unless_disconnected
@@ -100,26 +112,6 @@ def _check_supported(n: int, beam: bool, logprobs: bool, controls: list[str] | N
         raise InvalidRequest("the conductor does not relay logprobs or echo", "logprobs")
 
 
-def _completion_piece(p: Piece) -> dict[str, Any]:
-    return {"index": 0, "text": p.text, "logprobs": None, "finish_reason": p.finish_reason,
-            "stop_reason": p.stop_reason}
-
-
-def _completion_whole(text: str, last: Piece) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason,
-            "stop_reason": last.stop_reason}
-
-
-def _chat_piece(p: Piece) -> dict[str, Any]:
-    return {"index": 0, "delta": {"content": p.text} if p.text else {}, "logprobs": None,
-            "finish_reason": p.finish_reason, "stop_reason": p.stop_reason}
-
-
-def _chat_whole(text: str, last: Piece) -> dict[str, Any]:
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
-
-
 class Gateway:
     """The gateway's state and its route handlers (registered by `build_gateway`)."""
 
@@ -150,77 +142,95 @@ class Gateway:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- helpers --------------------------------------------------------------------------
+    def _instance_model(self) -> str | None:
+        return next((m.info["model"] for m in self.members.values() if m.info), None)
+
     def model_name(self) -> str:
-        return self.config.served_model_name or next(
-            (m.info["model"] for m in self.members.values() if m.info), "kvpool")
+        return self.config.served_model_name or self._instance_model() or "kvpool"
 
     def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name():
-            raise InvalidRequest(f"model {model!r} does not exist; this cluster serves {self.model_name()!r}",
-                                 "model")
+        """As `kvpool serve`: the served name, or the instances' own."""
+        check_model(model, self.model_name(), {m.info["model"] for m in self.members.values() if m.info})
 
     def hashes(self, ids: list[int], salt: str | None) -> list[bytes]:
         if self.poller.namespace is None:
             raise NoInstance("no instance has reported yet; retry later")
         return hash_blocks(ids, self.config.conductor.block_size, self.poller.namespace, salt)
 
-    def relay_for(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                  salt: str | None, prefix: str) -> Relay:
-        limit = self.poller.max_model_len or 0
+    def params(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest,
+               max_tokens: int | None) -> SamplingParams:
+        """The request's parameters as an instance would take them: the same default max_tokens
+        and the same checks, against the limits the instances report."""
+        if self.poller.max_model_len is None:
+            raise NoInstance("no instance has reported yet; retry later")
         if max_tokens is None:
-            max_tokens = max(1, limit - len(ids))
-        if max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-        if limit and len(ids) + max_tokens > limit:
-            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                                 f"model's context of {limit}", "max_tokens")
+            max_tokens = default_max_tokens(len(ids), req.n, self.poller.max_model_len,
+                                            self.poller.kv_capacity_tokens)
+        limits = InputLimits(self.poller.vocab_size, self.poller.max_model_len)
+        return InputProcessor(self.tokenizer, limits).process(ids, req.sampling_params(max_tokens, None)).params
+
+    def relay_for(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest, params: SamplingParams,
+                  salt: str | None, prefix: str) -> Relay:
         given = req.model_dump(exclude_unset=True)
         body = {k: given[k] for k in _PASSED if k in given}
         if salt is not None:
             body["cache_salt"] = salt
         rid = f"{prefix}-{uuid.uuid4().hex[:20]}"
-        return Relay(rid, ids, self.hashes(ids, salt), body, max_tokens, self.conductor, self.poller, self.client,
-                     self.stats)
+        return Relay(rid, ids, self.hashes(ids, salt), body, params.max_tokens, self.conductor, self.poller,
+                     self.client, self.stats)
 
     @staticmethod
     def usage(relay: Relay) -> dict[str, Any]:
-        return {"prompt_tokens": len(relay.ids), "completion_tokens": relay.output_tokens,
-                "total_tokens": len(relay.ids) + relay.output_tokens,
-                "prompt_tokens_details": {"cached_tokens": relay.cached_tokens}}
+        """As `kvpool serve`'s usage: the counts, and the prefill's KV breakdown."""
+        out = usage_counts(len(relay.ids), relay.output_tokens, relay.cached_tokens)
+        out["prompt_tokens_details"].update(relay.kv_breakdown)
+        return out
 
-    async def respond(self, relay: Relay, raw: Request, stream: bool, include_usage: bool, obj: str,
-                      shape: Callable[[Piece], dict[str, Any]], whole: Callable[[str, Piece], dict[str, Any]]):
+    def head(self, relay: Relay) -> dict[str, Any]:
+        return response_head(relay.rid, int(time.time()), self.model_name(), self.poller.fingerprint)
+
+    async def pieces(self, relay: Relay, raw: Request) -> list[Piece]:
+        """Every piece of a whole (non-streamed) response."""
         first = await relay.start()
-        head = {"id": relay.rid, "created": int(time.time()), "model": self.model_name()}
-        if stream:
-            async def chunks() -> AsyncIterator[dict[str, Any]]:
-                if obj == "chat.completion.chunk":
-                    yield {**head, "object": obj, "choices": [{"index": 0, "delta": {"role": "assistant",
-                           "content": ""}, "logprobs": None, "finish_reason": None}]}
-                yield {**head, "object": obj, "choices": [shape(first)]}
-                async for piece in relay.rest():
-                    yield {**head, "object": obj, "choices": [shape(piece)]}
-                if include_usage:
-                    yield {**head, "object": obj, "choices": [], "usage": self.usage(relay)}
-
-            return StreamingResponse(sse_stream(chunks()), media_type="text/event-stream")
 
         async def collect() -> list[Piece]:
             return [first] + [p async for p in relay.rest()]
 
-        pieces = await unless_disconnected(raw, collect())
-        text = "".join(p.text for p in pieces)
-        return JSONResponse({**head, "object": obj, "choices": [whole(text, pieces[-1])],
-                             "usage": self.usage(relay)})
+        return await unless_disconnected(raw, collect())
+
+    async def stream(self, relay: Relay, include_usage: bool, obj: str,
+                     choices: Callable[[Piece], list[dict[str, Any]]], opening: Sequence[dict[str, Any]] = ()):
+        """A streamed response: `opening` choices, then each piece's, then the usage."""
+        first = await relay.start()  # a refusal or failure before the first token is a status
+        head = {**self.head(relay), "object": obj}
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            for choice in opening:
+                yield {**head, "choices": [choice]}
+            for choice in choices(first):
+                yield {**head, "choices": [choice]}
+            async for piece in relay.rest():
+                for choice in choices(piece):
+                    yield {**head, "choices": [choice]}
+            if include_usage:
+                yield {**head, "choices": [], "usage": self.usage(relay)}
+
+        return StreamingResponse(sse_stream(chunks()), media_type="text/event-stream")
 
     # -- routes ---------------------------------------------------------------------------
     async def list_models(self) -> dict:
-        card = {"id": self.model_name(), "object": "model", "created": self.created, "owned_by": "kvpool",
-                "max_model_len": self.poller.max_model_len}
-        return {"object": "list", "data": [card]}
+        return model_list((self.model_name(),), self._instance_model() or self.model_name(), self.created,
+                          self.poller.max_model_len)
+
+    async def show_model(self, model_id: str) -> dict:
+        if not model_id:
+            raise ModelNotFound("give a model id: GET /v1/models/{id}", param="model")
+        self.check_model(model_id)
+        return model_card(model_id, self._instance_model() or self.model_name(), self.created,
+                          self.poller.max_model_len)
 
     async def completions(self, req: CompletionRequest, raw: Request):
-        req.check()
+        req.check(self.poller.vocab_size)
         self.check_model(req.model)
         _check_supported(req.n, req.use_beam_search, req.logprobs is not None or req.echo, set_controls(req))
         prompts = req.prompt_list()
@@ -229,22 +239,37 @@ class Gateway:
         p = prompts[0]
         ids = await off_loop(self.pool, self.tokenizer.encode, p, add_special_tokens=req.add_special_tokens) \
             if isinstance(p, str) else list(p)
-        relay = self.relay_for(ids, req, req.max_tokens, request_salt(raw, req.cache_salt, req.cache_scope), "cmpl")
-        return await self.respond(relay, raw, req.stream, req.include_usage, "text_completion",
-                                  _completion_piece, _completion_whole)
+        params = self.params(ids, req, req.max_tokens)
+        relay = self.relay_for(ids, req, params, request_salt(raw, req.cache_salt, req.cache_scope), "cmpl")
+        if req.stream:
+            return await self.stream(relay, req.include_usage, "text_completion", lambda piece: [completion_choice(
+                0, piece.text, None, piece.finish_reason, piece.stop_reason)])
+        pieces = await self.pieces(relay, raw)
+        choice = completion_choice(0, "".join(p.text for p in pieces), None, pieces[-1].finish_reason,
+                                   pieces[-1].stop_reason)
+        return JSONResponse({**self.head(relay), "object": "text_completion", "choices": [choice],
+                             "usage": self.usage(relay)})
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request):
-        req.check()
+        req.check(self.poller.vocab_size)
         self.check_model(req.model)
         _check_supported(req.n, req.use_beam_search, req.logprobs, set_controls(req))
         plan = ToolPlan.of(req.tools, req.tool_choice, req.parallel_tool_calls, None)
         if plan.mode != "none":  # a forced call is a constraint, parsing "auto" calls is the server's
             raise InvalidRequest("the conductor does not relay tool calls", "tools")
         ids = await off_loop(self.pool, render_request, self.tokenizer, req, plan)
-        salt = request_salt(raw, req.cache_salt, req.cache_scope)
-        relay = self.relay_for(ids, req, req.requested_max_tokens, salt, "chatcmpl")
-        obj = "chat.completion.chunk" if req.stream else "chat.completion"
-        return await self.respond(relay, raw, req.stream, req.include_usage, obj, _chat_piece, _chat_whole)
+        params = self.params(ids, req, req.requested_max_tokens)
+        relay = self.relay_for(ids, req, params, request_salt(raw, req.cache_salt, req.cache_scope), "chatcmpl")
+        if req.stream:
+            calls = plan.stream()
+            return await self.stream(relay, req.include_usage, "chat.completion.chunk", lambda piece: delta_choices(
+                plan, calls, 0, piece.text, piece.finish_reason is not None, None, bool(piece.token_ids),
+                piece.finish_reason, piece.stop_reason), opening=[role_delta(0)])
+        pieces = await self.pieces(relay, raw)
+        choice = whole_choice(plan, 0, "".join(p.text for p in pieces), None, pieces[-1].finish_reason,
+                              pieces[-1].stop_reason)
+        return JSONResponse({**self.head(relay), "object": "chat.completion", "choices": [choice],
+                             "usage": self.usage(relay)})
 
     async def health(self) -> Response:
         roles = {m.role for m in self.members.values() if m.up}
@@ -289,6 +314,7 @@ def build_gateway(config: GatewayConfig, predictor: StepTimePredictor, tokenizer
     app.add_api_route("/metrics", gw.metrics, methods=["GET"], dependencies=[Depends(gw.keys.metrics)])
     keyed = APIRouter(dependencies=[Depends(gw.keys.api_key)])
     keyed.add_api_route("/v1/models", gw.list_models, methods=["GET"])
+    keyed.add_api_route("/v1/models/{model_id:path}", gw.show_model, methods=["GET"])
     keyed.add_api_route("/v1/completions", gw.completions, methods=["POST"])
     keyed.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
     keyed.add_api_route("/cluster", gw.cluster, methods=["GET"])

@@ -23,6 +23,7 @@ from kvpool.conductor.index import POOL
 from kvpool.conductor.records import InstanceLoad
 
 LOAD_FIELDS = tuple(InstanceLoad.__dataclass_fields__)  # what an instance reports, as the simulator's
+INFO_FIELDS = ("model", "namespace", "block_size", "max_model_len", "vocab_size", "system_fingerprint")
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class MemberPoller:
         self.max_misses = max_misses
         self.namespace: str | None = None
         self.max_model_len: int | None = None
+        self.vocab_size: int | None = None
+        self.fingerprint: str | None = None  # the instances' system_fingerprint
         self.pool: str | None = None
         for m in members.values():
             conductor.mark_down(m.instance_id)
@@ -126,12 +129,19 @@ class MemberPoller:
             index.on_stored(POOL, stored)
         load = data["load"]
         self.conductor.update_load(m.instance_id, InstanceLoad(**{f: load[f] for f in LOAD_FIELDS}))
-        m.load, m.info = load, {k: data[k] for k in ("model", "namespace", "block_size", "max_model_len")}
+        m.load, m.info = load, {k: data[k] for k in INFO_FIELDS}
         m.boot_id, m.cursor, m.misses, m.error, m.last_ok = data["boot_id"], data["cursor"], 0, None, time.time()
         if not m.up:
             logger.info("instance %s (%s) is up", m.instance_id, m.url)
             m.up = True
             self.conductor.mark_up(m.instance_id)
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """The smallest KV pool, in tokens, of the instances that decode (a request's output
+        lives there); None before any has reported."""
+        sizes = [m.load["total_kv_blocks"] for m in self.members.values() if m.role != "prefill" and m.load]
+        return min(sizes) * self.conductor.config.block_size if sizes else None
 
     def _mismatch(self, m: Member, data: dict[str, Any]) -> str | None:
         """Why this instance cannot serve with the others (None when it can)."""
@@ -142,6 +152,7 @@ class MemberPoller:
             return f"instance serves role {data['role']!r}, configured as {m.role!r}"
         if self.namespace is None:
             self.namespace, self.max_model_len = data["namespace"], data["max_model_len"]
+            self.vocab_size, self.fingerprint = data["vocab_size"], data["system_fingerprint"]
         elif data["namespace"] != self.namespace:
             return f"model namespace {data['namespace']!r} != the cluster's {self.namespace!r}"
         return None

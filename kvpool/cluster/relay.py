@@ -37,8 +37,9 @@ class _Refused(KVPoolError):
     """The instance answered with an error status before streaming."""
 
     def __init__(self, status: int, body: dict[str, Any]) -> None:
-        super().__init__(body.get("error", {}).get("message", f"HTTP {status}"))
-        self.status = status
+        error = body.get("error", {})
+        super().__init__(error.get("message", f"HTTP {status}"))
+        self.status, self.param = status, error.get("param")
 
 
 @dataclass(slots=True)
@@ -107,6 +108,7 @@ class Relay:
         self.conductor, self.poller, self.client, self.stats = conductor, poller, client, stats
         self.arrival = time.monotonic()
         self.cached_tokens = 0
+        self.kv_breakdown: dict[str, dict[str, int]] = {}  # the prefill's, as `kvpool serve` reports it
         self.output_tokens = 0
         self._stream: _Upstream | None = None
         self._stream_member: Member | None = None
@@ -176,7 +178,7 @@ class Relay:
             if e.status == 429:
                 raise Overloaded(f"instance {member.instance_id} refused the request: {e}") from e
             if e.status == 400:
-                raise InvalidRequest(str(e)) from e
+                raise InvalidRequest(str(e), param=e.param) from e  # the instance's own words
             raise self._failure(member, e) from e
         except httpx.HTTPError as e:
             raise self._failure(member, e) from e
@@ -206,6 +208,7 @@ class Relay:
         if not self._first_done:
             self._first_done = True
             self.cached_tokens = data["num_cached_tokens"]
+            self.kv_breakdown = data.get("kv_breakdown", {})
             now = time.monotonic()
             self.stats.prompt_tokens += len(self.ids)
             self.stats.cached_prompt_tokens += self.cached_tokens
