@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import assert_no_leak, run_all
+from engine_helpers import assert_no_leak, run_all
 from test_model_reference import PagedSequence
 
 from kvpool.engine.config import EngineConfig

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_helpers import assert_no_leak
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_engine import assert_no_leak
 
 from kvpool.bench.determinism import greedy, random_prompts, serve, serve_beside
 from kvpool.engine.config import EngineConfig

@@ -4,30 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import assert_no_leak, make_engine, run_all
 from test_model_reference import PROMPTS
 
-from kvpool.engine.config import EngineConfig
-from kvpool.engine.engine import Engine
-from kvpool.engine.llm import run_to_completion
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)  # as HF min_new_tokens
-
-
-def make_engine(loaded, **kw) -> Engine:
-    return Engine(EngineConfig(**{"dtype": "float32", **kw}), loaded=loaded)  # `loaded` is fp32
-
-
-def run_all(engine: Engine, prompts, params) -> list:
-    return run_to_completion(engine, prompts, params)
-
-
-def assert_no_leak(engine: Engine) -> None:
-    kv = engine.scheduler.kv
-    assert not kv.seqs
-    assert kv.num_free_blocks == kv.pool.num_blocks
-    assert all(b.ref_count == 0 for b in kv.pool.blocks)
 
 
 @pytest.fixture(scope="module")

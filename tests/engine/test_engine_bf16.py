@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import assert_no_leak, run_all
+from engine_helpers import assert_no_leak, make_engine, run_all
 
-from kvpool.engine.config import EngineConfig
-from kvpool.engine.engine import Engine
 from kvpool.sched.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -35,19 +33,18 @@ def bf16_loaded():
     return load_model(None, dtype=torch.bfloat16)
 
 
-def make_engine(loaded, **kw) -> Engine:
-    return Engine(EngineConfig(**{"dtype": "bfloat16", "max_num_batched_tokens": 64, **kw}), loaded=loaded)
+BF16 = {"dtype": "bfloat16", "max_num_batched_tokens": 64}  # every step inside the row-wise regimes
 
 
 @pytest.fixture(scope="module")
 def ample(bf16_loaded):
-    engine = make_engine(bf16_loaded, num_blocks=256, block_size=4)
+    engine = make_engine(bf16_loaded, **BF16, num_blocks=256, block_size=4)
     return [o.outputs[0].token_ids for o in run_all(engine, PROMPTS, GREEDY)]
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_bf16_preemption_keeps_greedy_outputs(bf16_loaded, ample, mode):
-    engine = make_engine(bf16_loaded, num_blocks=12, block_size=4, preemption_mode=mode, swap_space="16MiB")
+    engine = make_engine(bf16_loaded, **BF16, num_blocks=12, block_size=4, preemption_mode=mode, swap_space="16MiB")
     outs = run_all(engine, PROMPTS, GREEDY)
     assert engine.scheduler.num_preemptions >= 2
     assert [o.outputs[0].token_ids for o in outs] == ample
@@ -55,7 +52,7 @@ def test_bf16_preemption_keeps_greedy_outputs(bf16_loaded, ample, mode):
 
 
 def test_bf16_prefix_cache_hit_keeps_greedy_output(bf16_loaded):
-    engine = make_engine(bf16_loaded, num_blocks=256, block_size=16)
+    engine = make_engine(bf16_loaded, **BF16, num_blocks=256, block_size=16)
     prompt = "A long shared system prompt. " * 6 + "Question:"
     first = run_all(engine, [prompt], GREEDY)[0]
     second = run_all(engine, [prompt], GREEDY)[0]

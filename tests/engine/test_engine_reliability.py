@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from engine_helpers import make_engine
 
 import kvpool.engine.engine as engine_module
-from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
@@ -18,8 +18,7 @@ OTHER = "The capital of France is"
 OTHER_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def make_engine(loaded) -> Engine:
-    return Engine(EngineConfig(num_blocks=128, block_size=16), loaded=loaded)
+SMALL = {"num_blocks": 128, "block_size": 16}
 
 
 def drain(engine: Engine) -> dict[str, object]:
@@ -46,7 +45,7 @@ def at_baseline(engine: Engine) -> bool:
 
 @pytest.fixture(scope="module")
 def solo(loaded):
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, **SMALL)
     rid = engine.add_request(OTHER, OTHER_PARAMS)
     return drain(engine)[rid].outputs[0].token_ids
 
@@ -63,7 +62,7 @@ def solo(loaded):
     (dict(ignore_eos=1), "ignore_eos"),
 ])
 def test_bad_parameters_are_refused_and_change_nothing(loaded, solo, params, field):
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, **SMALL)
     other = engine.add_request(OTHER, OTHER_PARAMS)
     engine.step()  # the other request is running
     before = snapshot(engine)
@@ -80,7 +79,7 @@ def test_bad_parameters_are_refused_and_change_nothing(loaded, solo, params, fie
 
 
 def test_the_largest_seeds_that_fit_are_accepted(loaded):
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, **SMALL)
     a = engine.add_request("hi", SamplingParams(max_tokens=3, seed=2**64 - 1, temperature=0.8))
     b = engine.add_request("hi", SamplingParams(max_tokens=3, seed=2**64 - 2, n=2, temperature=0.8))
     done = drain(engine)
@@ -89,7 +88,7 @@ def test_the_largest_seeds_that_fit_are_accepted(loaded):
 
 
 def test_a_failing_forward_fails_the_step_and_the_engine_keeps_serving(loaded, solo, monkeypatch):
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, **SMALL)
     victims = [engine.add_request("hello there", SamplingParams(max_tokens=4, n=2, temperature=0.5)),
                engine.add_request("general kenobi", SamplingParams(max_tokens=4))]
     real = engine.runner.execute
@@ -106,7 +105,7 @@ def test_a_failing_forward_fails_the_step_and_the_engine_keeps_serving(loaded, s
 
 
 def test_a_failing_sampler_row_fails_only_its_request(loaded, solo, monkeypatch):
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, **SMALL)
     real = engine_module.sample
 
     def picky(logits, params):
@@ -124,7 +123,7 @@ def test_a_failing_sampler_row_fails_only_its_request(loaded, solo, monkeypatch)
 
 
 def test_a_failing_detokenizer_fails_only_its_request(loaded, solo, monkeypatch):
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, **SMALL)
     bad = engine.add_request("hello", SamplingParams(max_tokens=4, temperature=0.0))
     other = engine.add_request(OTHER, OTHER_PARAMS)
     (text,) = engine._requests[bad].texts.values()
@@ -136,7 +135,7 @@ def test_a_failing_detokenizer_fails_only_its_request(loaded, solo, monkeypatch)
 
 
 def test_a_stop_string_ending_on_the_last_allowed_token_stops_and_is_trimmed(loaded):
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, **SMALL)
     prompt, stop = "1, 2, 3, 4, 5, 6,", " 9"
     free = drain_one(engine, prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]))
     assert free.finish_reason == "stop"

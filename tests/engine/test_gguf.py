@@ -158,7 +158,7 @@ def test_gemma3_gguf_tokens_and_greedy_output_equal_transformers_recorded(gemma3
 
 @pytest.mark.slow
 def test_gemma3_gguf_engine_greedy_equals_transformers_recorded_past_the_window(gemma3):
-    from test_engine import run_all
+    from engine_helpers import run_all
 
     from kvpool.engine.config import EngineConfig
     from kvpool.engine.engine import Engine

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import assert_no_leak, run_all
 from test_architectures import PROMPTS, _hf_greedy, _tokenizer_json, hf_model
-from test_engine import assert_no_leak, run_all
 
 from kvpool.engine import loader
 from kvpool.engine.config import KV_AUTO_CONTEXTS, KV_AUTO_MIN, EngineConfig, kv_budget

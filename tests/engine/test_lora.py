@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import assert_no_leak
 from lora_models import hf_base, make_adapter, tiny_llama
-from test_engine import assert_no_leak
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
