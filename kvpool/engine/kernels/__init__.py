@@ -97,10 +97,10 @@ def batch_invariant() -> bool:
 
 
 @cache
-def q4_lanes_available() -> bool:
-    """`torch.ops.kvpool.q4_repack` / `q8_repack` and the lanes kernels: bf16 rows over 4-bit
-    and 8-bit groups in oneDNN's summation order (AVX512-BF16 builds)."""
-    return q4_linear_available() and bool(torch.ops.kvpool.lanes_available())
+def q4_lanes_available(float32: bool = False) -> bool:
+    """`torch.ops.kvpool.q4_repack` / `q8_repack` and the lanes kernels: rows over 4-bit and
+    8-bit groups in oneDNN's summation order, bf16 (AVX512-BF16 builds) or float32 (AVX2 + FMA)."""
+    return q4_linear_available() and bool(torch.ops.kvpool.lanes_available(float32))
 
 
 @cache

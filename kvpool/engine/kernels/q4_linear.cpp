@@ -25,7 +25,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#include "q4_nlanes.h"
+#include "q4_lanes_f32.h"  // includes q4_nlanes.h
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVPOOL_AMX 1
 #include <cpuid.h>
@@ -303,10 +303,30 @@ at::Tensor linear_f32(const Fmt& f, const at::Tensor& x, int64_t n_out) {
   return y;
 }
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
-#ifdef KVPOOL_NLANES
-  if (qs.dim() == 4) return kvpool_nlanes::q4_linear(x, qs, scale, mins);  // groups from q4_repack
+// The lanes layouts (q4_nlanes.h, q4_lanes_f32.h): rows in oneDNN's own summation order, by the
+// activations' dtype, where this build has the kernel.
+at::Tensor lanes_q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
+#ifdef KVPOOL_LANES_F32
+  if (x.scalar_type() == at::kFloat) return kvpool_lanes_f32::q4_linear(x, qs, scale, mins);
 #endif
+#ifdef KVPOOL_NLANES
+  if (x.scalar_type() == at::kBFloat16) return kvpool_nlanes::q4_linear(x, qs, scale, mins);
+#endif
+  TORCH_CHECK(false, "q4_linear: no lanes kernel for ", x.scalar_type(), " rows in this build");
+}
+
+at::Tensor lanes_q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+#ifdef KVPOOL_LANES_F32
+  if (x.scalar_type() == at::kFloat) return kvpool_lanes_f32::q8_linear(x, qs, scale);
+#endif
+#ifdef KVPOOL_NLANES
+  if (x.scalar_type() == at::kBFloat16) return kvpool_nlanes::q8_linear(x, qs, scale);
+#endif
+  TORCH_CHECK(false, "q8_linear: no lanes kernel for ", x.scalar_type(), " rows in this build");
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
+  if (qs.dim() == 4) return lanes_q4_linear(x, qs, scale, mins);  // groups from q4_repack
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "q4_linear: x must be float32 or bfloat16");
   if (x.scalar_type() == at::kFloat) return linear_f32(q4_format(x, qs, scale, mins), x, qs.size(0));
@@ -314,9 +334,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
-#ifdef KVPOOL_NLANES
-  if (qs.dim() == 4) return kvpool_nlanes::q8_linear(x, qs, scale);  // groups from q8_repack
-#endif
+  if (qs.dim() == 4) return lanes_q8_linear(x, qs, scale);  // groups from q8_repack
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "q8_linear: x must be float32 or bfloat16");
   if (x.scalar_type() == at::kFloat) return linear_f32(q8_format(x, qs, scale), x, qs.size(0));
@@ -527,24 +545,30 @@ at::Tensor linear_amx(const Fmt&, const at::Tensor&, int64_t) {
 
 std::string amx_unavailable() { return amx_unavailable_reason(); }
 
-// The lanes layout (q4_nlanes.h): bf16 rows in oneDNN's summation order, K blocks of `kblock`.
-#ifdef KVPOOL_NLANES
-bool lanes_available() { return true; }
-std::vector<at::Tensor> q4_repack(const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins, int64_t kblock) {
-  return kvpool_nlanes::q4_repack(qs.contiguous(), scale.contiguous(), mins.contiguous(), kblock);
-}
-std::vector<at::Tensor> q8_repack(const at::Tensor& qs, const at::Tensor& scale, int64_t kblock) {
-  return kvpool_nlanes::q8_repack(qs.contiguous(), scale.contiguous(), kblock);
-}
-#else
-bool lanes_available() { return false; }
-std::vector<at::Tensor> q4_repack(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
-  TORCH_CHECK(false, "q4_repack: the kernel was built without AVX512-BF16");
-}
-std::vector<at::Tensor> q8_repack(const at::Tensor&, const at::Tensor&, int64_t) {
-  TORCH_CHECK(false, "q8_repack: the kernel was built without AVX512-BF16");
-}
+// The lanes layouts: bf16 rows (16 outputs a block, pairs of K) or float32 rows (64 outputs, single
+// K values), K blocks of `kblock`.
+bool lanes_available(bool float32) {
+#ifdef KVPOOL_LANES_F32
+  if (float32) return true;
 #endif
+#ifdef KVPOOL_NLANES
+  if (!float32) return true;
+#endif
+  return false;
+}
+void check_lanes(bool float32, const char* what) {
+  TORCH_CHECK(lanes_available(float32), what, ": the kernel was built without the ",
+              float32 ? "AVX2 + FMA" : "AVX512-BF16", " lanes kernels");
+}
+std::vector<at::Tensor> q4_repack(const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins, int64_t kblock,
+                                  bool float32) {
+  check_lanes(float32, "q4_repack");
+  return kvpool_nlanes::q4_repack(qs.contiguous(), scale.contiguous(), mins.contiguous(), kblock, float32 ? 64 : 16);
+}
+std::vector<at::Tensor> q8_repack(const at::Tensor& qs, const at::Tensor& scale, int64_t kblock, bool float32) {
+  check_lanes(float32, "q8_repack");
+  return kvpool_nlanes::q8_repack(qs.contiguous(), scale.contiguous(), kblock, float32 ? 64 : 16, float32 ? 1 : 2);
+}
 
 at::Tensor q4_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "q4_linear_amx: x must be bfloat16");
@@ -566,9 +590,9 @@ TORCH_LIBRARY(kvpool, m) {
   m.def("q4_linear_amx(Tensor x, Tensor qs, Tensor scale, Tensor mins) -> Tensor");
   m.def("q8_linear_amx(Tensor x, Tensor qs, Tensor scale) -> Tensor");
   m.def("amx_unavailable() -> str", amx_unavailable);
-  m.def("lanes_available() -> bool", lanes_available);
-  m.def("q4_repack(Tensor qs, Tensor scale, Tensor mins, int kblock) -> Tensor[]");
-  m.def("q8_repack(Tensor qs, Tensor scale, int kblock) -> Tensor[]");
+  m.def("lanes_available(bool float32=False) -> bool", lanes_available);
+  m.def("q4_repack(Tensor qs, Tensor scale, Tensor mins, int kblock, bool float32=False) -> Tensor[]");
+  m.def("q8_repack(Tensor qs, Tensor scale, int kblock, bool float32=False) -> Tensor[]");
 }
 TORCH_LIBRARY_IMPL(kvpool, CPU, m) {
   m.impl("q4_linear", q4_linear);

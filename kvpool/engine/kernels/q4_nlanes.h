@@ -8,29 +8,28 @@
 // copy's bf16 weights (a multiply, then an add, rounded to nearest even) and fed to the same
 // instruction in the same order; the K block travels as the repacked shape [N/16, K blocks,
 // K block / 2, lanes] and the caller checks it against oneDNN (models/quantized.py). Every output
-// is a function of its own row, whatever the rows, tiles or threads.
+// is a function of its own row, whatever the rows, tiles or threads. The repacking is shared with
+// the float32 lanes kernels (q4_lanes_f32.h), which take 8 outputs a block.
 #pragma once
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-#define KVPOOL_NLANES 1
 
 namespace kvpool_nlanes {
 
-constexpr int64_t kLanes = 16;  // outputs per block (one zmm of float32 sums)
-
-// Q4_1 [N, K/2] nibbles (GGUF order: byte j of a group = q[j] | q[j + 16] << 4), [N, K/32] scale
-// and mins -> [N/16, K/2, 16] bytes (q[n][2p] | q[n][2p + 1] << 4) and [N/16, K/32, 16] floats.
+// The repacked layouts, shared with the float32 lanes kernels (q4_lanes_f32.h): blocks of
+// `lanes` outputs, K in blocks of `kblock` (the last padded with zeros).
 inline int64_t blocks_of(int64_t k, int64_t kblock, const char* what) {
   TORCH_CHECK(kblock > 0 && kblock % 2 == 0, what, ": the K block must be even and positive");
   return (k + kblock - 1) / kblock;
 }
 
+// Q4_1 [N, K/2] nibbles (GGUF order: byte j of a group = q[j] | q[j + 16] << 4), [N, K/32] scale
+// and mins -> [N/lanes, K blocks, K block / 2, lanes] bytes (q[n][2p] | q[n][2p + 1] << 4) and
+// [N/lanes, K/32, lanes] floats.
 inline std::vector<at::Tensor> q4_repack(const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& mins,
-                                         int64_t kblock) {
+                                         int64_t kblock, int64_t lanes) {
   const int64_t n = qs.size(0), k = qs.size(1) * 2, groups = k / 32;
-  TORCH_CHECK(n % kLanes == 0 && k % 32 == 0, "q4_repack: N must be a multiple of 16 and K of 32");
+  TORCH_CHECK(lanes > 0 && n % lanes == 0 && k % 32 == 0, "q4_repack: N must be a multiple of ", lanes, " and K of 32");
   const int64_t kb = blocks_of(k, kblock, "q4_repack"), stride = kb * kblock / 2;
-  at::Tensor out = at::zeros({n / kLanes, kb, kblock / 2, kLanes}, qs.options());
+  at::Tensor out = at::zeros({n / lanes, kb, kblock / 2, lanes}, qs.options());
   const uint8_t* src = qs.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const auto level = [&](int64_t row, int64_t kk) {
@@ -39,25 +38,37 @@ inline std::vector<at::Tensor> q4_repack(const at::Tensor& qs, const at::Tensor&
   };
   for (int64_t row = 0; row < n; ++row)
     for (int64_t p = 0; p < k / 2; ++p)
-      dst[((row / kLanes) * stride + p) * kLanes + row % kLanes] =
+      dst[((row / lanes) * stride + p) * lanes + row % lanes] =
           static_cast<uint8_t>(level(row, 2 * p) | (level(row, 2 * p + 1) << 4));
-  const auto lanes = [&](const at::Tensor& t) {  // [N, G] -> [N/16, G, 16]
-    return t.view({n / kLanes, kLanes, groups}).transpose(1, 2).contiguous();
+  const auto per_lane = [&](const at::Tensor& t) {  // [N, G] -> [N/lanes, G, lanes]
+    return t.view({n / lanes, lanes, groups}).transpose(1, 2).contiguous();
   };
-  return {out, lanes(scale), lanes(mins)};
+  return {out, per_lane(scale), per_lane(mins)};
 }
 
-// Q8_0 [N, K] levels, [N, K/32] scale -> [N/16, K/2, 32] (pairs of K of 16 outputs) and [N/16, K/32, 16].
-inline std::vector<at::Tensor> q8_repack(const at::Tensor& qs, const at::Tensor& scale, int64_t kblock) {
+// Q8_0 [N, K] levels, [N, K/32] scale -> [N/lanes, K blocks, K block / per, per * lanes] (runs of
+// `per` K values of each output: pairs for vdpbf16ps, single values for float32) and
+// [N/lanes, K/32, lanes].
+inline std::vector<at::Tensor> q8_repack(const at::Tensor& qs, const at::Tensor& scale, int64_t kblock, int64_t lanes,
+                                         int64_t per) {
   const int64_t n = qs.size(0), k = qs.size(1), groups = k / 32;
-  TORCH_CHECK(n % kLanes == 0 && k % 32 == 0, "q8_repack: N must be a multiple of 16 and K of 32");
+  TORCH_CHECK(lanes > 0 && n % lanes == 0 && k % 32 == 0, "q8_repack: N must be a multiple of ", lanes, " and K of 32");
   const int64_t kb = blocks_of(k, kblock, "q8_repack");
-  at::Tensor pairs = qs.view({n / kLanes, kLanes, k / 2, 2}).permute({0, 2, 1, 3}).reshape({n / kLanes, k / 2, 2 * kLanes});
-  at::Tensor out = at::zeros({n / kLanes, kb * kblock / 2, 2 * kLanes}, qs.options());
-  out.narrow(1, 0, k / 2).copy_(pairs);
-  out = out.view({n / kLanes, kb, kblock / 2, 2 * kLanes});
-  return {out, scale.view({n / kLanes, kLanes, groups}).transpose(1, 2).contiguous()};
+  at::Tensor runs = qs.view({n / lanes, lanes, k / per, per}).permute({0, 2, 1, 3}).reshape({n / lanes, k / per, per * lanes});
+  at::Tensor out = at::zeros({n / lanes, kb * kblock / per, per * lanes}, qs.options());
+  out.narrow(1, 0, k / per).copy_(runs);
+  out = out.view({n / lanes, kb, kblock / per, per * lanes});
+  return {out, scale.view({n / lanes, lanes, groups}).transpose(1, 2).contiguous()};
 }
+
+}  // namespace kvpool_nlanes
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVPOOL_NLANES 1
+
+namespace kvpool_nlanes {
+
+constexpr int64_t kLanes = 16;  // outputs per block (one zmm of float32 sums)
 
 // The 16 outputs' bf16 weights of pair p as 32-bit lanes (even K low, odd K high), from float32
 // values even[n] = w[n][2p], odd[n] = w[n][2p + 1].

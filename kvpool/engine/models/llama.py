@@ -446,15 +446,16 @@ class LlamaForCausal(nn.Module):
         whose weights are exactly 4-bit groups also keeps those for small batches, and the LM
         head its exact Q8_0 groups (float32 or bfloat16). Batch-invariant (the default, see
         `kernels.batch_invariant`): groups serve only where their kernel gives the dense
-        GEMM's bits (bf16 lanes kernels, `lanes_groups`), so the row count never changes a row."""
+        GEMM's bits (the bf16 or float32 lanes kernels, `lanes_groups`), so the row count never
+        changes a row."""
         if self._packed_head is not None:
             return
         dense_linear = PackedLinear if can_pack_weights("cpu", self.embed_tokens.weight.dtype) else FrozenLinear
         q4_kernels = q4_kernels and q4_linear_available()
         bf16 = self.embed_tokens.weight.dtype == torch.bfloat16
         invariant = batch_invariant()
-        if invariant and not (bf16 and dense_linear is PackedLinear):
-            q4_kernels = False  # no kernel reproduces the float32 (or unpacked) GEMM's order
+        if invariant and dense_linear is not PackedLinear:
+            q4_kernels = False  # no kernel reproduces the unpacked GEMM's order
         vector_rows, max_rows = row_limits(bf16, invariant=invariant) if q4_kernels else (0, 0)
         served_q4 = 0
 
@@ -463,7 +464,8 @@ class LlamaForCausal(nn.Module):
             if not q4_kernels or groups is None or len(groups) not in sizes:
                 return None
             if invariant:
-                return lanes_groups(dense, groups) if getattr(dense, "bias", None) is None else None
+                biased = getattr(dense, "bias", None) is not None
+                return None if biased else lanes_groups(dense, groups, self.embed_tokens.weight.dtype)
             return groups
 
         for i, layer in enumerate(tqdm(self.layers, desc="packing weights", unit="layer", leave=False, disable=None)):

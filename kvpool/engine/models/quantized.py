@@ -36,14 +36,23 @@ AMX_MAX_ROWS_BF16 = 32  # the AMX kernel, above MAX_ROWS_BF16
 HEAD_AMX_MAX_ROWS_BF16 = HEAD_MAX_ROWS_BF16
 LANES_MAX_ROWS_BF16 = 8  # the batch-invariant lanes kernels (their bits equal the dense GEMM's)
 LANES_HEAD_MAX_ROWS_BF16 = 4
+# float32 lanes kernels (AVX2 Zen 3, one thread, a shared box): the bundled model's four
+# projections of a layer take 0.54-0.70 ms at 1 row (dense 2.3-3.0, the per-row-count kernel
+# 0.46-0.54), 1.48 vs dense 2.4-3.0 at 8, 3.3 vs 3.3-4.0 at 16, 6.8-8.9 vs 5.0-5.6 at 32; the Q8_0
+# head 2.5-3.3 vs 11.6-15.6 ms at 1 row, 10.5-13.4 vs 12.3-15.7 at 8, 21-23 vs 19-23 at 16.
+LANES_MAX_ROWS_F32 = 16
+LANES_HEAD_MAX_ROWS_F32 = 8
 
 
 def row_limits(bf16: bool, head: bool = False, invariant: bool = False) -> tuple[int, int]:
     """(rows up to which the vector kernel runs, rows up to which the groups serve at all):
     the AMX kernel takes the rows between, where this CPU and kernel build have it. Batch-
-    invariant: the bf16 lanes kernels (no AMX: its tiles sum in their own order)."""
+    invariant: the lanes kernels (no AMX: its tiles sum in their own order)."""
     if invariant:
-        rows = LANES_HEAD_MAX_ROWS_BF16 if head else LANES_MAX_ROWS_BF16
+        if bf16:
+            rows = LANES_HEAD_MAX_ROWS_BF16 if head else LANES_MAX_ROWS_BF16
+        else:
+            rows = LANES_HEAD_MAX_ROWS_F32 if head else LANES_MAX_ROWS_F32
         return rows, rows
     if not bf16:
         return (HEAD_MAX_ROWS, HEAD_MAX_ROWS) if head else (MAX_ROWS, MAX_ROWS)
@@ -141,22 +150,29 @@ def model_groups(model: nn.Module, head: str) -> dict[str, tuple[Tensor, ...]]:
 # order and keep the first that reproduces the dense GEMM bit for bit (None: all of K).
 K_BLOCKS = (None, 512, 256, 384, 768, 1024, 1536, 2048, 128, 64)
 PROBE_ROWS = 48
-_kblock_by_shape: dict[tuple[int, int, int], int | None] = {}
+_kblock_by_shape: dict[tuple[int, int, int, bool], int | None] = {}
+LANES_SPAN_F32 = 64  # outputs per repacked block of the float32 lanes kernels
 
 
-def lanes_groups(dense: nn.Module, groups: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
-    """`groups` repacked for the lanes kernels (kernels/q4_nlanes.h) in the K block whose bf16
-    results equal `dense`'s (the oneDNN GEMM) bit for bit on probe rows, so a projection's
-    bits do not depend on which of the two a step's row count picks; None where no block does
-    (the projection then stays dense for every row count)."""
+def lanes_groups(
+    dense: nn.Module, groups: tuple[Tensor, ...], dtype: torch.dtype = torch.bfloat16
+) -> tuple[Tensor, ...] | None:
+    """`groups` repacked for the lanes kernels (bf16: kernels/q4_nlanes.h, float32:
+    q4_lanes_f32.h) in the K block whose results on `dtype` rows equal `dense`'s (the oneDNN
+    GEMM) bit for bit on probe rows, so a projection's bits do not depend on which of the two a
+    step's row count picks; None where no block does (the projection then stays dense for
+    every row count)."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"lanes kernels take bfloat16 or float32 rows, not {dtype}")
+    float32 = dtype == torch.float32
     n, k = groups[1].shape[0], groups[1].shape[1] * GROUP
-    if not q4_lanes_available() or n % 16:
+    if not q4_lanes_available(float32) or n % (LANES_SPAN_F32 if float32 else 16):
         return None
     ops = torch.ops.kvpool
     gen = torch.Generator().manual_seed(n * 7919 + k)
-    x = torch.randn(PROBE_ROWS, k, generator=gen).bfloat16()
+    x = torch.randn(PROBE_ROWS, k, generator=gen).to(dtype)
     want = dense(x)
-    key = (len(groups), n, k)
+    key = (len(groups), n, k, float32)
     known = _kblock_by_shape.get(key, K_BLOCKS[0])
     tried = (known, *(b for b in K_BLOCKS if b != known))
     for block in tried:
@@ -164,10 +180,10 @@ def lanes_groups(dense: nn.Module, groups: tuple[Tensor, ...]) -> tuple[Tensor, 
         if kblock > k and block is not None:
             continue
         if len(groups) == 3:
-            packed = tuple(ops.q4_repack(*groups, kblock))
+            packed = tuple(ops.q4_repack(*groups, kblock, float32))
             got = ops.q4_linear(x, *packed)
         else:
-            packed = tuple(ops.q8_repack(*groups, kblock))
+            packed = tuple(ops.q8_repack(*groups, kblock, float32))
             got = ops.q8_linear(x, *packed)
         if torch.equal(got, want):
             _kblock_by_shape[key] = block
