@@ -1,7 +1,7 @@
 """Which waiting group is admitted next: first come first served, or cache-aware.
 
 Cache-aware ordering (SGLang's longest-prefix-match idea, with a fairness bound): among the
-first `window` waiting groups, the one with the most prompt tokens already in the device
+first `window` (16) waiting groups, the one with the most prompt tokens already in the device
 prefix cache goes first (ties: the earliest), so a request whose KV is resident starts before
 its hit is evicted by the requests ahead of it, and a short remaining prefill reaches its first
 token sooner. A group passed over `max_bypass` times is admitted next whatever its hit, so no
@@ -22,7 +22,7 @@ class WaitingOrder:
     """Picks the next waiting group and keeps the bypass counts of the ones passed over."""
 
     def __init__(self, kv: KVCacheManager, hashes: Callable[[SequenceGroup, Sequence], list[BlockHash]],
-                 policy: str = "fcfs", max_bypass: int = 8, window: int = 64) -> None:
+                 policy: str = "fcfs", max_bypass: int = 8, window: int = 16) -> None:
         self.kv = kv
         self.hashes = hashes  # a group's prompt hashes, as admission computes them
         self.cache_aware = policy == "cache-aware"

@@ -24,6 +24,7 @@ EXPERIMENTS = {
     "storage-vs-compute": "storage_vs_compute",
     "pipeline-prefill": "pipeline_prefill",
     "layerwise-prefill": "layerwise_prefill",
+    "waiting-order": "waiting_order",
 }
 
 
