@@ -211,6 +211,34 @@ def prefix_counters(base_url: str, headers: dict[str, str] | None = None) -> tup
     return None if q is None or h is None else (q, h)
 
 
+KV_BREAKDOWN = (("sources", "kvpool:prompt_tokens_by_kv_source_total", "source"),
+                ("misses", "kvpool:prompt_tokens_missed_total", "reason"))
+
+
+def kv_breakdown(base_url: str, headers: dict[str, str] | None = None) -> dict[str, dict[str, float]] | None:
+    """A kvpool server's prompt tokens so far by KV source and by miss reason (its /metrics,
+    kvpool/core/miss_reasons.py); None for other servers."""
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
+        families = list(text_string_to_metric_families(text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    out: dict[str, dict[str, float]] = {key: {} for key, _, _ in KV_BREAKDOWN}
+    for family in families:
+        for sample in family.samples:
+            for key, name, label in KV_BREAKDOWN:
+                if sample.name == name:
+                    out[key][sample.labels[label]] = out[key].get(sample.labels[label], 0.0) + sample.value
+    return out if any(f.name == "kvpool:prompt_tokens_missed" for f in families) else None
+
+
+def breakdown_delta(before: dict | None, after: dict | None) -> dict[str, dict[str, int]] | None:
+    if before is None or after is None:
+        return None
+    return {key: {k: int(v - before[key].get(k, 0.0)) for k, v in sorted(after[key].items())
+                  if v > before[key].get(k, 0.0)} for key in after}
+
+
 def parse_goodput(items: list[str]) -> dict[str, float]:
     slos = {}
     for item in items:
@@ -261,6 +289,11 @@ def print_summary(s: dict) -> None:
     for key, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
         for stat in ("mean_ms", "median_ms", "p99_ms"):
             rows.append((f"{stat.split('_')[0].capitalize()} {title} (ms)", f"{s[key][stat]:.2f}"))
+    split = s.get("prompt_kv_breakdown")
+    if split is not None:
+        total = sum(split["sources"].values()) + sum(split["misses"].values()) or 1
+        rows += [(f"Prompt tokens from {k}", f"{n} ({n / total:.1%})") for k, n in split["sources"].items()]
+        rows += [(f"Prompt tokens missed: {k}", f"{n} ({n / total:.1%})") for k, n in split["misses"].items()]
     for name, value in rows:
         print(f"{name:<40}{value:>20}")
     for err in s["errors"]:
@@ -308,11 +341,12 @@ def main(args: argparse.Namespace) -> int:
     requests = DATASETS[args.dataset](args, pool)
     if not requests:
         raise ConfigError("the dataset produced no requests")
-    before = prefix_counters(args.base_url, headers)
+    before, split = prefix_counters(args.base_url, headers), kv_breakdown(args.base_url, headers)
     results, duration = asyncio.run(run(args, requests, model))
     after = prefix_counters(args.base_url, headers)
     prefix = (after[0] - before[0], after[1] - before[1]) if before and after else None
     summary = summarize(results, duration, slos, prefix)
+    summary["prompt_kv_breakdown"] = breakdown_delta(split, kv_breakdown(args.base_url, headers))
     summary.update({"model": model, "dataset": args.dataset, "num_prompts": len(requests),
                     "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
                     "per_request": [asdict(r) | {"itl": None} for r in results]})

@@ -24,7 +24,7 @@ missed block before it (it is unreachable because of that one).
 What was seen is kept in `RecentHashes`: two rotating Bloom filters of fixed size, so memory stays
 bounded (2 x 1 MiB by default) however long the server runs; it remembers at least the last
 `capacity` registered blocks and forgets older ones, and a never-seen block reads as seen with
-probability below ~0.3% at the default sizes (its reason is then `evicted_*` instead of
+probability below 0.5% at the default sizes (its reason is then `evicted_*` instead of
 `first_seen`).
 """
 

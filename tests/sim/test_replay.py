@@ -86,11 +86,11 @@ SYSTEMS = [f"You are assistant number {k}. Answer briefly and politely, citing t
 SERVER = ["--num-blocks", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "512"]
 
 
-def _send(url: str, prompt: str, at: float, t0: float, errors: list) -> None:
+def _send(url: str, model: str, prompt: str, at: float, t0: float, errors: list) -> None:
     time.sleep(max(0.0, t0 + at - time.monotonic()))
     try:
         r = httpx.post(f"{url}/v1/completions", timeout=300, json={
-            "model": "m", "prompt": prompt, "max_tokens": 8, "min_tokens": 8, "temperature": 0, "ignore_eos": True})
+            "model": model, "prompt": prompt, "max_tokens": 8, "min_tokens": 8, "temperature": 0, "ignore_eos": True})
         if r.status_code != 200:
             errors.append(r.text)
     except httpx.HTTPError as e:
@@ -99,20 +99,20 @@ def _send(url: str, prompt: str, at: float, t0: float, errors: list) -> None:
 
 @pytest.mark.slow
 def test_replay_at_the_recorded_configuration_reproduces_the_server(tmp_path: Path):
-    from tests.serve.conftest import start_server
-
     from kvpool.bench.profile import run_profile
     from kvpool.costs.cost_model import MeasuredCostModel
     from kvpool.engine.config import EngineConfig
+    from tests.serve.conftest import start_server
 
     log = tmp_path / "requests.jsonl"
     server = start_server(*SERVER, "--record-requests", str(log))
+    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
     rng = random.Random(7)
     t0, errors, threads, at = time.monotonic() + 0.5, [], [], 0.0
     for i in range(20):  # 4 system prompts shared by 5 requests each, Poisson arrivals at ~2/s
         prompt = SYSTEMS[i % 4] + f"Question {i}: " + " ".join(rng.choice(["why", "how", "when", "what"])
                                                                for _ in range(5 + i % 7))
-        threads.append(threading.Thread(target=_send, args=(server.url, prompt, at, t0, errors)))
+        threads.append(threading.Thread(target=_send, args=(server.url, model, prompt, at, t0, errors)))
         at += rng.expovariate(2.0)
     for t in threads:
         t.start()
@@ -125,7 +125,7 @@ def test_replay_at_the_recorded_configuration_reproduces_the_server(tmp_path: Pa
 
     # step times fitted to this machine: the same engine configuration, profiled just after
     profile = run_profile(EngineConfig(dtype="float32", num_blocks=256, max_num_seqs=16, max_num_batched_tokens=512,
-                                       max_model_len=1024), "quick")
+                                       max_model_len=1024), "tiny")
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     config = SchedulerConfig(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
