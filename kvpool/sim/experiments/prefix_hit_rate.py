@@ -128,45 +128,54 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
         plots.append(plot_lines(capacities, series, out / "prefix_hit_rate.png",
                                 "cache capacity (512-token blocks)", "prefix hit rate",
                                 "Prefix hit rate vs capacity, Mooncake conversation trace"))
+    data = {"requests": len(prompts), "distinct_blocks": distinct, "unlimited_hit_rate": bound,
+            "block_size": BLOCK, "seed_unused": seed, "table1": {str(k): v for k, v in TABLE1.items()},
+            "table1_unlimited": TABLE1_UNLIMITED, "smallest_blocks": smallest, "hits_by_uses_at_smallest": hits_by_uses,
+            "median_reuse_gap_s": gap_s, "prompt_blocks_per_s": blocks_per_s,
+            "lru_window_s_at_smallest": lru_window_s, "lru_at_least_lfu_from_blocks": crossover}
+    setup, finding, published = describe(rows, data, full)
+    return ExperimentResult("prefix_hit_rate", "Prefix cache hit rate vs capacity (LRU / LFU / FIFO)", rows, data,
+                            plots, setup=setup, finding=finding, published=published)
+
+
+def describe(rows: list[dict], data: dict, full: bool) -> tuple[str, str, str]:
+    """The report's setup, finding and published sentences from the rows and data."""
+    n, distinct, bound = data["requests"], data["distinct_blocks"], data["unlimited_hit_rate"]
     at = {r["capacity_blocks"]: r for r in rows}
+    smallest, crossover = data["smallest_blocks"], data["lru_at_least_lfu_from_blocks"]
+    two = at[max(int(distinct * FRACTIONS[0]), 1)]
     lo = at[smallest]
-    h_lru, h_lfu = hits_by_uses["lru"], hits_by_uses["lfu"]
-    return ExperimentResult(
-        "prefix_hit_rate", "Prefix cache hit rate vs capacity (LRU / LFU / FIFO)", rows,
-        {"requests": len(prompts), "distinct_blocks": distinct, "unlimited_hit_rate": bound,
-         "block_size": BLOCK, "seed_unused": seed, "table1": {str(k): v for k, v in TABLE1.items()},
-         "table1_unlimited": TABLE1_UNLIMITED, "hits_by_uses_at_smallest": hits_by_uses,
-         "median_reuse_gap_s": gap_s, "prompt_blocks_per_s": blocks_per_s,
-         "lru_window_s_at_smallest": lru_window_s, "lru_at_least_lfu_from_blocks": crossover},
-        plots,
-        setup=(f"{'The whole' if full else 'The first ' + str(len(prompts)) + ' requests of the'} Mooncake "
-               f"conversation trace ({len(prompts)} requests), {BLOCK}-token blocks (the trace's own hash "
-               f"granularity); one KV manager whose capacity is a fraction of the {distinct} distinct prompt "
-               "blocks, or one of the capacities of the Mooncake paper's Table 1 (1,000 to 100,000 blocks); each "
-               "prompt is matched, stored and released in arrival order, so capacity alone decides what stays "
-               "cached."),
-        finding=("Hit rate grows with capacity and approaches the unlimited bound, the share of prompt tokens "
-                 f"that repeat an earlier prefix ({bound:.2f} here; 0.37 on the whole trace). LRU beats LFU from "
-                 f"{crossover} blocks up; below that LFU is ahead by a few thousandths (at {smallest} blocks "
-                 f"{lo['lru']:.3f} vs {lo['lfu']:.3f}). That is the policies, not kvpool's code (an independent "
-                 "replay of the trace's hash ids gives the same figures to the last digit): LRU keeps a block for "
-                 f"about as long as {smallest} newer prompt blocks take to arrive, {lru_window_s:.0f} s of this "
-                 f"trace, while the median gap between two uses of a block is {gap_s:.0f} s, so at this size LRU "
-                 "hits little beyond the first block every prompt shares "
-                 f"({h_lru.get('first', 0):.3f} of the prompt tokens, as for LFU) and blocks reused within seconds; "
-                 "LFU keeps blocks that were used before whatever their age (a new block has count 1 and goes "
-                 f"first), so it hits more blocks used 2 or more times before ({h_lfu.get('2', 0) + h_lfu.get('3', 0):.3f} "
-                 f"vs {h_lru.get('2', 0) + h_lru.get('3', 0):.3f}) and fewer used once "
-                 f"({h_lfu.get('1', 0):.3f} vs {h_lru.get('1', 0):.3f}). Once the cache spans the minutes between a "
-                 "conversation's turns, recency predicts reuse and LRU leads by up to 0.09 (LFU keeps blocks hit "
-                 "often long ago and evicts the fresh context of live sessions). FIFO trails LRU: it evicts a hot "
-                 "prefix as soon as it is old."),
-        published=("Mooncake Table 1 (table1 column: LRU/LFU/LengthAwareCache at 1,000-100,000 blocks, unlimited "
-                   f"{TABLE1_UNLIMITED}) on the paper's own 23,608-request trace, not this one: LRU is best and the "
-                   "policies tie at 1,000 blocks (0.30 each), where a few very hot shared prefixes fill the cache. "
-                   "On the conversation trace only the first block is shared by every prompt, so the same "
-                   f"capacities give lower rates (ceiling {bound:.2f} vs 0.51); LRU leads from 10,000 blocks up as "
-                   "in Table 1, and at 1,000 blocks LFU's lead is below Table 1's two-digit precision, i.e. a "
-                   "tie as published. Lecture §8.4 (LRU beats LFU on this trace) and issue 17 (ceiling ~0.37) "
-                   "hold on the whole trace."),
-    )
+    h_lru, h_lfu = data["hits_by_uses_at_smallest"]["lru"], data["hits_by_uses_at_smallest"]["lfu"]
+    setup = (f"{'The whole' if full else 'The first ' + str(n) + ' requests of the'} Mooncake "
+             f"conversation trace ({n} requests), {BLOCK}-token blocks (the trace's own hash "
+             f"granularity); one KV manager whose capacity is a fraction of the {distinct} distinct prompt "
+             "blocks, or one of the capacities of the Mooncake paper's Table 1 (1,000 to 100,000 blocks); each "
+             "prompt is matched, stored and released in arrival order, so capacity alone decides what stays "
+             "cached.")
+    finding = ("Hit rate grows with capacity and approaches the unlimited bound, the share of prompt tokens "
+               f"that repeat an earlier prefix ({bound:.2f} here; 0.37 on the whole trace). LRU beats LFU from "
+               f"{crossover} blocks up; below that LFU is ahead by a few thousandths ({lo['lru']:.3f} vs "
+               f"{lo['lfu']:.3f} at {smallest} blocks, {two['lru']:.3f} vs {two['lfu']:.3f} at "
+               f"{two['capacity_blocks']}, 2% of the distinct blocks). That is the policies, not kvpool's code: an "
+               "independent replay of the trace's hash ids (a plain ordered-dict LRU and bucketed LFU) gives the "
+               f"same figures to the last digit. LRU keeps a block for about as long as {smallest} newer prompt "
+               f"blocks take to arrive, {data['lru_window_s_at_smallest']:.0f} s of this trace, while the median "
+               f"gap between two uses of a block is {data['median_reuse_gap_s']:.0f} s: at that size both hit "
+               f"mostly the first block every prompt shares ({h_lru.get('first', 0):.4f} of the prompt tokens "
+               "each), LRU the blocks reused within seconds (blocks used once before: "
+               f"{h_lru.get('1', 0):.4f} vs LFU's {h_lfu.get('1', 0):.4f}), LFU the blocks used several times "
+               f"before, whatever their age (2 or more earlier uses: {h_lfu.get('2', 0) + h_lfu.get('3', 0):.4f} vs "
+               f"{h_lru.get('2', 0) + h_lru.get('3', 0):.4f}), since a new block has count 1 and goes first. Once "
+               "the cache spans the minutes between a conversation's turns, recency predicts reuse and LRU leads by "
+               "up to 0.09 (LFU keeps blocks hit often long ago and evicts the fresh context of live sessions). "
+               "FIFO trails LRU: it evicts a hot prefix as soon as it is old.")
+    published = ("Mooncake Table 1 (table1 column: LRU/LFU/LengthAwareCache at 1,000-100,000 blocks, unlimited "
+                 f"{TABLE1_UNLIMITED}) on the paper's own 23,608-request trace, not this one: LRU is best and the "
+                 "policies tie at 1,000 blocks (0.30 each), where a few very hot shared prefixes fill the cache. "
+                 "On the conversation trace only the first block is shared by every prompt, so the same "
+                 f"capacities give lower rates (ceiling {bound:.2f} vs 0.51); LRU leads from {crossover} blocks "
+                 "up, as in Table 1 from 10,000, and below that LFU's lead is under Table 1's two-digit precision "
+                 f"({lo['lru']:.2f} vs {lo['lfu']:.2f} at {smallest} blocks, {two['lru']:.2f} vs {two['lfu']:.2f} "
+                 "at 2%): a tie, as published at 1,000. Lecture §8.4 (LRU beats LFU on this trace) and issue 17 "
+                 "(ceiling ~0.37) hold on the whole trace.")
+    return setup, finding, published
