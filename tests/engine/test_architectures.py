@@ -18,6 +18,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
 from kvpool.engine.loader import load_model
 from kvpool.engine.models.hf_config import hf_config_to_model_config
+from kvpool.engine.outputs import FinishedOutputs
 from kvpool.errors import ConfigError
 from kvpool.sched.sampling_params import SamplingParams
 
@@ -168,11 +169,10 @@ def test_window_blocks_freed_while_greedy_still_equals_transformers(name, mode, 
     assert any(w == WINDOW for w in kv.group_windows), kv.group_windows
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
     ids = [engine.add_request(p, params) for p in PROMPTS]
-    done, most_held = {}, 0
+    done, most_held, finished = {}, 0, FinishedOutputs()
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        for out in finished.add(engine.step()):
+            done[out.request_id] = out
         for group in engine.scheduler.running:
             for seq in group.live_seqs:
                 if seq.num_computed_tokens >= seq.prompt_len and kv.has_seq(seq.seq_id):  # decoding

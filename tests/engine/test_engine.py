@@ -7,6 +7,7 @@ import torch
 from engine_helpers import assert_no_leak, make_engine, run_all
 from test_model_reference import PROMPTS
 
+from kvpool.engine.llm import step_until_done
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
 
@@ -61,9 +62,7 @@ def test_seeded_request_does_not_depend_on_its_batch(loaded):
     engine = make_engine(loaded, num_blocks=256)
     rid = engine.add_request("Tell me a story", params)
     engine.add_request("Something else entirely", other)
-    done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = step_until_done(engine)
     assert done[rid].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
@@ -109,9 +108,7 @@ def test_bad_requests_fail_clearly_and_engine_keeps_serving(loaded):
         SamplingParams.from_dict({"max_tokens": 5, "temprature": 0.5})
     with pytest.raises(InvalidRequest, match="token ids"):
         engine.add_request([1, 2, -5], SamplingParams(max_tokens=5))
-    done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = step_until_done(engine)
     assert list(done) == [good] and len(done[good].outputs[0].token_ids) == 5
     assert_no_leak(engine)
 

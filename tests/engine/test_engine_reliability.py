@@ -9,8 +9,9 @@ import math
 import pytest
 from engine_helpers import make_engine
 
-import kvpool.engine.engine as engine_module
+import kvpool.engine.sample_rows as sample_rows
 from kvpool.engine.engine import Engine
+from kvpool.engine.outputs import FinishedOutputs
 from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
 
@@ -21,12 +22,14 @@ OTHER_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SMALL = {"num_blocks": 128, "block_size": 16}
 
 
-def drain(engine: Engine) -> dict[str, object]:
-    done = {}
+def drain(engine: Engine, earlier: list | None = None) -> dict[str, object]:
+    """Step until done; each request's whole output (`earlier`: records of steps taken before)."""
+    done, finished = {}, FinishedOutputs()
+    finished.add(earlier or [])
     for _ in range(500):
         if not engine.has_unfinished():
             break
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        done.update({o.request_id: o for o in finished.add(engine.step())})
     assert not engine.has_unfinished()
     return done
 
@@ -35,12 +38,12 @@ def snapshot(engine: Engine) -> tuple:
     s = engine.scheduler
     usage = s.kv.usage()
     return (len(s.waiting), len(s.running), sorted(s.groups), usage.used_blocks, usage.free_blocks,
-            sorted(engine._requests))
+            sorted(engine.outputs._requests))
 
 
 def at_baseline(engine: Engine) -> bool:
     kv = engine.scheduler.kv
-    return not kv.seqs and kv.num_free_blocks == kv.pool.num_blocks and not engine._requests
+    return not kv.seqs and kv.num_free_blocks == kv.pool.num_blocks and not engine.outputs._requests and not engine.controls._requests
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,7 @@ def solo(loaded):
 def test_bad_parameters_are_refused_and_change_nothing(loaded, solo, params, field):
     engine = make_engine(loaded, **SMALL)
     other = engine.add_request(OTHER, OTHER_PARAMS)
-    engine.step()  # the other request is running
+    first = engine.step()  # the other request is running
     before = snapshot(engine)
     with pytest.raises(InvalidRequest) as err:
         p = SamplingParams(max_tokens=4)
@@ -73,7 +76,7 @@ def test_bad_parameters_are_refused_and_change_nothing(loaded, solo, params, fie
         engine.add_request("hi", p)
     assert err.value.param == field and field in str(err.value)
     assert snapshot(engine) == before
-    done = drain(engine)
+    done = drain(engine, first)
     assert list(done) == [other] and done[other].outputs[0].token_ids == solo
     assert at_baseline(engine)
 
@@ -106,14 +109,14 @@ def test_a_failing_forward_fails_the_step_and_the_engine_keeps_serving(loaded, s
 
 def test_a_failing_sampler_row_fails_only_its_request(loaded, solo, monkeypatch):
     engine = make_engine(loaded, **SMALL)
-    real = engine_module.sample
+    real = sample_rows.sample
 
     def picky(logits, params):
         if any(p.temperature == 0.123 for p in params):
             raise ValueError("cannot sample this row")
         return real(logits, params)
 
-    monkeypatch.setattr(engine_module, "sample", picky)
+    monkeypatch.setattr(sample_rows, "sample", picky)
     bad = engine.add_request("hello", SamplingParams(max_tokens=4, temperature=0.123))
     other = engine.add_request(OTHER, OTHER_PARAMS)
     done = drain(engine)
@@ -126,7 +129,7 @@ def test_a_failing_detokenizer_fails_only_its_request(loaded, solo, monkeypatch)
     engine = make_engine(loaded, **SMALL)
     bad = engine.add_request("hello", SamplingParams(max_tokens=4, temperature=0.0))
     other = engine.add_request(OTHER, OTHER_PARAMS)
-    (text,) = engine._requests[bad].texts.values()
+    (text,) = engine.outputs._requests[bad].texts.values()
     monkeypatch.setattr(text.detok, "step", lambda ids: (_ for _ in ()).throw(UnicodeError("bad bytes")))
     done = drain(engine)
     assert "bad bytes" in done[bad].error and done[bad].finished
@@ -146,8 +149,8 @@ def test_a_stop_string_ending_on_the_last_allowed_token_stops_and_is_trimmed(loa
         streamed += [o for o in engine.step() if o.request_id == rid]
     out = streamed[-1].outputs[0]
     assert streamed[-1].finished and out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == free.text and stop not in out.text
-    assert all(stop not in o.outputs[0].text for o in streamed)  # no stream chunk shows it
+    text = "".join(c.text for o in streamed for c in o.outputs)
+    assert text == free.text and stop not in text  # no stream chunk shows it, nor two together
     assert at_baseline(engine)
 
 
