@@ -235,26 +235,30 @@ class SimInstance:
             lens = [len(seq.token_ids) for _, seq in batch.seqs]
             durations: list[float] = []
             ends: list[float] = []
+            t = now
             for i in range(batch.steps):  # each step's cost depends only on its context lengths
-                if not first and now >= until:
+                if not first and t >= until:
                     break
                 duration = cost([n + i for n in lens])
                 if duration == 0.0:
                     break
                 first = False
-                now += duration
+                t += duration
                 durations.append(duration)
-                ends.append(now)
+                ends.append(t)
             cut = len(ends) < batch.steps  # by the horizon or a step that takes no time
             k = min(len(ends), leap_steps(batch))
             if k > 1:
                 yield self._leap(batch, durations[:k], ends[:k])
+                now = ends[k - 1]
             else:
                 k = 0
             for duration, end in zip(durations[k:], ends[k:], strict=True):
                 result = self._decode_step(batch, duration, end)
+                now = end
                 yield result
                 if result.finished:
+                    cut = cut and end == ends[-1]  # a finish before the last step: go on from there
                     break
             if cut:
                 return
