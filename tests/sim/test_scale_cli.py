@@ -22,3 +22,10 @@ def test_scale_command_writes_its_figures_and_is_deterministic(tmp_path, capsys)
         {k: v for k, v in runs[1].items() if k not in timing}
     assert "simulated_requests_per_s" in capsys.readouterr().out
     assert gc.isenabled()  # the command pauses the collector only for its run
+
+
+def test_scale_repeat_runs_the_trace_again_in_a_row(tmp_path):
+    assert main(["sim", "scale", "--max-requests", "60", "--repeat", "2", "--out", str(tmp_path)]) == 0
+    twice = json.loads((tmp_path / "scale.json").read_text())
+    assert twice["requests"] == 120 and twice["completed"] + twice["rejected"] == 120
+    assert twice["virtual_s"] > 2 * 60 / 3.4  # the second copy arrives after the first (~3.4 req/s)
