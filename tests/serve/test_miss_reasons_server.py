@@ -17,6 +17,8 @@ from conftest import Server, start_server
 from kvpool.bench.serve import add_arguments, main
 from kvpool.store.disk import SUBDIR
 
+pytestmark = pytest.mark.timeout(1200)  # a disk server's start and ten requests on a shared 2-core machine
+
 P1 = "The museum opened in 1891 with three galleries of paintings, a hall of casts and a library. " * 3
 P2 = "Rivers carry sediment from the mountains to the sea, building deltas over the centuries. " * 45
 

@@ -98,6 +98,7 @@ def _send(url: str, model: str, prompt: str, at: float, t0: float, errors: list)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a server start, 20 requests, an engine load and a profile
 def test_replay_at_the_recorded_configuration_reproduces_the_server(tmp_path: Path):
     from kvpool.bench.profile import run_profile
     from kvpool.costs.cost_model import MeasuredCostModel
