@@ -290,12 +290,8 @@ class Engine:
             logger.exception("engine step failed; failing the %d request(s) it scheduled", len(out.scheduled))
             return self._fail_step(out, f"engine error: {type(e).__name__}: {e}")
         self.num_steps += 1
-        metrics = self.outputs.metrics
+        self.outputs.scheduled(out.scheduled, now)
         for s in out.scheduled:
-            m = metrics(s.group.request_id)
-            if m is not None and m.first_scheduled_s is None:
-                m.first_scheduled_s = now
-                m.prompt_sources = s.group.prompt_sources  # the same record its store loads settle
             if s.start < s.seq.prompt_len:
                 self.num_prompt_tokens += min(s.start + s.num_new_tokens, s.seq.prompt_len) - s.start
         rows = out.sampling

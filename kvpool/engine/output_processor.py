@@ -25,6 +25,7 @@ from typing import Any
 from kvpool.engine.controls import best_of
 from kvpool.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpool.engine.tokenizer import IncrementalDetokenizer
+from kvpool.sched.output import ScheduledSeq
 from kvpool.sched.request import FinishReason, Sequence, SequenceGroup
 from kvpool.sched.stops import Stops
 
@@ -83,9 +84,15 @@ class OutputProcessor:
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def metrics(self, request_id: str) -> RequestMetrics | None:
-        req = self._requests.get(request_id)
-        return req.metrics if req is not None else None
+    def scheduled(self, scheduled: list[ScheduledSeq], now: float) -> None:
+        """The step ran these rows: a request's first time scheduled is now, and its prompt's
+        KV sources are the record its store loads settle."""
+        requests = self._requests
+        for s in scheduled:
+            req = requests.get(s.group.request_id)
+            if req is not None and req.metrics.first_scheduled_s is None:
+                req.metrics.first_scheduled_s = now
+                req.metrics.prompt_sources = s.group.prompt_sources
 
     # -- 1. text and stop strings ----------------------------------------------------------
     def detokenize(self, groups: list[SequenceGroup]) -> tuple[list[StopHit], dict[str, str]]:
@@ -112,19 +119,20 @@ class OutputProcessor:
         if st is None:  # a sample forked this step: its text starts from the prompt
             st = req.texts[seq.seq_id] = self._new_text(g, req)
         st.step_from = taken = st.taken
-        n_out = seq.num_output_tokens
-        if n_out == taken:
-            return None
-        st.taken = n_out
+        end = len(seq.token_ids)
         start = seq.prompt_len + taken
-        end = len(seq.token_ids) - (1 if Stops.ends_on_eos(g, seq) else 0)  # EOS is no part of the text
+        if end == start:
+            return None
+        st.taken = end - seq.prompt_len
+        if seq.finish_reason is not None and Stops.ends_on_eos(g, seq):
+            end -= 1  # EOS is no part of the text
         new = st.detok.step(seq.token_ids[start:end]) if end > start else ""
         if not new:
             return None
         self.num_chars += len(new)
         before = len(st.held)
         st.held += new
-        return self._stop_in(g, seq, st, before)
+        return self._stop_in(g, seq, st, before) if g.params.stop else None
 
     def _new_text(self, g: SequenceGroup, req: _Request) -> _SeqText:
         return _SeqText(IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
@@ -136,9 +144,9 @@ class OutputProcessor:
         there; only where the core may still stop the sequence: not yet finished (or at its
         length limit this very token) and past min_tokens."""
         p = g.params
-        if not p.stop or seq.num_output_tokens < p.min_tokens:
+        if st.taken < p.min_tokens:  # `taken`: the sequence's output tokens, all taken now
             return None
-        if seq.is_finished and seq.finish_reason is not FinishReason.LENGTH:
+        if seq.finish_reason is not None and seq.finish_reason is not FinishReason.LENGTH:
             return None
         held = st.held
         for stop in p.stop:
@@ -181,8 +189,13 @@ class OutputProcessor:
             if st.step_from == st.taken and not done:
                 continue  # nothing new this step
             st.closed = done
-            text = st.release(done, req.holdback)
-            self.num_chars += len(text)
+            held = st.held
+            cut = len(held) if done else len(held) - req.holdback  # inline `release`: once per sample per step
+            if cut > 0:
+                text, st.held = held[:cut], held[cut:]
+                self.num_chars += cut
+            else:
+                text = ""
             a, b = st.step_from, st.taken
             p = seq.prompt_len
             outs.append(CompletionOutput(

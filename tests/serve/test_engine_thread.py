@@ -69,7 +69,7 @@ def test_tokenization_runs_off_the_event_loop(inprocess):
 def test_a_request_the_engine_fails_alone_gets_an_error_and_the_next_one_is_served(inprocess, monkeypatch):
     """The engine reports a request whose own sampling failed as finished with `.error`: its
     client gets an OpenAI-style error, not a normal-looking finish, and the server carries on."""
-    import kvpool.engine.engine as engine_module
+    import kvpool.engine.sample_rows as engine_module
 
     client, _ = inprocess
     real = engine_module.sample
