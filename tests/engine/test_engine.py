@@ -106,7 +106,7 @@ def test_bad_requests_fail_clearly_and_engine_keeps_serving(loaded):
         engine.add_request("", SamplingParams(max_tokens=5))
     with pytest.raises(InvalidRequest, match="unknown sampling parameter"):
         SamplingParams.from_dict({"max_tokens": 5, "temprature": 0.5})
-    with pytest.raises(InvalidRequest, match="token ids"):
+    with pytest.raises(InvalidRequest, match="prompt: token id -5 is outside the vocabulary"):
         engine.add_request([1, 2, -5], SamplingParams(max_tokens=5))
     done = step_until_done(engine)
     assert list(done) == [good] and len(done[good].outputs[0].token_ids) == 5
