@@ -11,10 +11,12 @@ compiler is at hand the engine keeps its dense float weights and its torch atten
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -33,24 +35,29 @@ def build_dir(source: Path = SOURCE) -> Path:
     base = Path(os.environ.get("KVPOOL_CACHE_DIR") or Path.home() / ".cache" / "kvpool")
     # -march=native: a cache shared between machines must not hand one CPU's build to another
     machine = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {' '.join(FLAGS)}"
-    digest = hashlib.sha256(source.read_bytes() + machine.encode())
+    # the source's path too: torch's build.ninja names it, so two checkouts sharing one
+    # directory would rebuild each other's kernel at every start
+    digest = hashlib.sha256(source.read_bytes() + machine.encode() + str(source.resolve()).encode())
     for header in sorted(source.parent.glob("*.h")):  # what the sources include: a change rebuilds
         digest.update(header.read_bytes())
     return base / "kernels" / digest.hexdigest()[:12]
 
 
-STALE_LOCK_S = 600  # a build takes ~30 s; an older lock was left by a builder that was killed
-
-
-def _drop_stale_lock(lock: Path) -> None:
-    """torch's builder waits forever on a lock file a killed build left behind: drop it."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing a kernel build lock left %.0f s ago by a build that did not finish: %s", age, lock)
-        lock.unlink(missing_ok=True)
+@contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """Hold an advisory lock on the build directory while building. The kernel releases it when
+    its holder dies, so torch's own lock file found while holding it was left by a builder that
+    was killed: torch would wait on it forever, so it is removed."""
+    with open(path / "kvpool.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = path / "lock"
+        if stale.exists():
+            logger.warning("removing a kernel build lock left by a build that did not finish: %s", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _build(name: str, source: Path) -> None:
@@ -60,15 +67,15 @@ def _build(name: str, source: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     if not any(path.glob("*.so")):
         logger.info("building the %s CPU kernel (first run on this machine, about 30 s)", name)
-    _drop_stale_lock(path / "lock")
-    cpp_extension.load(
-        name=name,
-        sources=[str(source)],
-        extra_cflags=FLAGS,
-        build_directory=str(path),
-        is_python_module=False,
-        verbose=False,
-    )
+    with _build_lock(path):
+        cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=FLAGS,
+            build_directory=str(path),
+            is_python_module=False,
+            verbose=False,
+        )
 
 
 def _available(name: str, source: Path, what: str, fallback: str, switch: str | None = None) -> bool:
