@@ -4,13 +4,20 @@ served (its blocks counted as lossy loads), and an exact engine sharing the tier
 from __future__ import annotations
 
 import pytest
-from test_layerwise_load import run
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
+from kvpool.engine.llm import step_until_done
+from kvpool.sched.sampling_params import SamplingParams
 
 PROMPT = ("A lighthouse stands at the end of the long pier, and every evening its keeper climbs the "
           "ninety steps to light the lamp. ") * 4 + "Question: how many steps does the keeper climb? Answer:"
+
+
+def run(engine: Engine, prompt: str):
+    """The request's whole output (a step's output holds only what is new)."""
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    return step_until_done(engine)[rid]
 
 
 def make(loaded, **store) -> Engine:

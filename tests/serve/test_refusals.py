@@ -10,8 +10,8 @@ import httpx
 import pytest
 from conftest import AUTH
 
+from kvpool.engine.input_processor import InputLimits, InputProcessor
 from kvpool.errors import InvalidRequest, Overloaded
-from kvpool.sched.request import SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig
 from kvpool.serve.async_engine import AsyncEngine, _Add
@@ -79,9 +79,10 @@ def test_a_request_the_queue_could_never_hold_is_refused_before_it_is_queued():
 @pytest.mark.parametrize(("fields", "param"), [({"n": 9}, "n"), ({"n": 2, "best_of": 9}, "best_of")])
 def test_more_samples_than_one_batch_holds_is_refused_by_name(fields, param):
     # a group's samples run in one batch: 9 of them under max_num_seqs 8 would wait forever, in the
-    # server and in the offline LLM alike (both reach the scheduler's add_request)
+    # server and in the offline LLM alike (both go through the one input processor)
     sched = Scheduler(SchedulerConfig(num_blocks=64, max_num_seqs=8))
+    inputs = InputProcessor(None, InputLimits(max_num_seqs=8), capacity=sched.check_capacity)
     params = SamplingParams(max_tokens=1, temperature=1.0, **fields)
     with pytest.raises(InvalidRequest, match="max_num_seqs") as e:
-        sched.add_request(SequenceGroup("r", [sched.new_sequence([1, 2])], params, 0.0))
+        inputs.check_fits(2, params)
     assert e.value.param == param and not sched.waiting and not sched.groups
