@@ -122,6 +122,8 @@ def _store_hits(engine: Engine, targets: list[list[int]], rng: np.random.Generat
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or an HF model directory (default: the bundled model)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32")
     p.add_argument("--targets", type=int, default=3, help="target requests")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -131,10 +133,11 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    loaded = load_model(None, dtype=dtype)
+    loaded = load_model(args.model, dtype=dtype, device=args.device)
     rng = np.random.default_rng(args.seed + 1)
     targets = random_prompts(rng, loaded.config.vocab_size, args.targets, 20, 200)
-    results = run_paths(loaded, args.dtype, targets, args.max_tokens, args.seed)
+    results = run_paths(loaded, args.dtype, targets, args.max_tokens, args.seed, device=args.device,
+                        model=args.model)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:

@@ -18,9 +18,16 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from kvpool.bench.serve_metrics import (
+    breakdown_delta,
+    kv_breakdown,
+    metric_sums,  # noqa: F401 - kvpool/bench/cluster.py reads it from here
+    phase_table,
+    prefix_counters,
+    ttft_phases,
+)
 from kvpool.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -190,55 +197,6 @@ async def run(args: argparse.Namespace, requests: list[BenchRequest], model: str
 
 
 # -- reporting -------------------------------------------------------------------------------
-def metric_sums(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """A server's /metrics as sample name -> value summed over labels (prometheus_client's
-    parser: the exposition format has escapes and label sets a line split would get wrong)."""
-    text = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
-    sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-    return sums
-
-
-def prefix_counters(base_url: str, headers: dict[str, str] | None = None) -> tuple[float, float] | None:
-    """(queries, hits) in tokens from a kvpool server's /metrics; None for other servers."""
-    try:
-        values = metric_sums(base_url, headers)
-    except (httpx.HTTPError, ValueError):
-        return None
-    q, h = values.get("kvpool:prefix_cache_queries_total"), values.get("kvpool:prefix_cache_hits_total")
-    return None if q is None or h is None else (q, h)
-
-
-KV_BREAKDOWN = (("sources", "kvpool:prompt_tokens_by_kv_source_total", "source"),
-                ("misses", "kvpool:prompt_tokens_missed_total", "reason"))
-
-
-def kv_breakdown(base_url: str, headers: dict[str, str] | None = None) -> dict[str, dict[str, float]] | None:
-    """A kvpool server's prompt tokens so far by KV source and by miss reason (its /metrics,
-    kvpool/core/miss_reasons.py); None for other servers."""
-    try:
-        text = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
-        families = list(text_string_to_metric_families(text))
-    except (httpx.HTTPError, ValueError):
-        return None
-    out: dict[str, dict[str, float]] = {key: {} for key, _, _ in KV_BREAKDOWN}
-    for family in families:
-        for sample in family.samples:
-            for key, name, label in KV_BREAKDOWN:
-                if sample.name == name:
-                    out[key][sample.labels[label]] = out[key].get(sample.labels[label], 0.0) + sample.value
-    return out if any(f.name == "kvpool:prompt_tokens_missed" for f in families) else None
-
-
-def breakdown_delta(before: dict | None, after: dict | None) -> dict[str, dict[str, int]] | None:
-    if before is None or after is None:
-        return None
-    return {key: {k: int(v - before[key].get(k, 0.0)) for k, v in sorted(after[key].items())
-                  if v > before[key].get(k, 0.0)} for key in after}
-
-
 def parse_goodput(items: list[str]) -> dict[str, float]:
     slos = {}
     for item in items:
@@ -299,6 +257,21 @@ def print_summary(s: dict) -> None:
     for err in s["errors"]:
         print(f"error: {err}")
     print("=" * 62)
+    print_ttft_breakdown(s.get("ttft_breakdown"), s["ttft"]["mean_ms"])
+
+
+def print_ttft_breakdown(table: dict[str, dict[str, float]] | None, ttft_mean_ms: float) -> None:
+    """Where the run's TTFT went (a kvpool server's `ttft_breakdown_seconds`); the last row is the
+    client's mean TTFT less the phases' means: HTTP before the server's arrival and what no phase holds."""
+    if not table:
+        return
+    print(f"{'TTFT breakdown (ms)':<24}{'mean':>9}{'p50':>9}{'p99':>9}{'share':>9}")
+    for phase, row in table.items():
+        print(f"{phase:<24}{row['mean_ms']:>9.2f}{row['p50_ms']:>9.2f}{row['p99_ms']:>9.2f}"
+              f"{row['mean_ms'] / ttft_mean_ms:>9.1%}")
+    rest = ttft_mean_ms - sum(row["mean_ms"] for row in table.values())
+    print(f"{'other (client TTFT)':<24}{rest:>9.2f}{'':>18}{rest / ttft_mean_ms:>9.1%}")
+    print("=" * 62)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -342,11 +315,13 @@ def main(args: argparse.Namespace) -> int:
     if not requests:
         raise ConfigError("the dataset produced no requests")
     before, split = prefix_counters(args.base_url, headers), kv_breakdown(args.base_url, headers)
+    phases = ttft_phases(args.base_url, headers)
     results, duration = asyncio.run(run(args, requests, model))
     after = prefix_counters(args.base_url, headers)
     prefix = (after[0] - before[0], after[1] - before[1]) if before and after else None
     summary = summarize(results, duration, slos, prefix)
     summary["prompt_kv_breakdown"] = breakdown_delta(split, kv_breakdown(args.base_url, headers))
+    summary["ttft_breakdown"] = phase_table(phases, ttft_phases(args.base_url, headers))
     summary.update({"model": model, "dataset": args.dataset, "num_prompts": len(requests),
                     "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
                     "per_request": [asdict(r) | {"itl": None} for r in results]})

@@ -168,7 +168,7 @@ def main(args) -> int:
     engine = Engine(engine_config_from_args(args))
     prompts = make_workload(args.num_prompts, args.input_len_min, args.input_len_max,
                             engine.loaded.config.vocab_size, args.seed_workload)
-    limits = measure_limits()
+    limits = measure_limits(engine.device)
     print(f"{describe(limits, engine.config.dtype)}; model {flops_per_token(engine.loaded.config) / 1e6:.0f} "
           f"MFLOP/token")
     results = [run_kvpool(engine, prompts, args.output_len, limits)]

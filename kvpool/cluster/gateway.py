@@ -52,7 +52,14 @@ from kvpool.serve.front import (
 )
 from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, KeyGate, QuietDisconnect
 from kvpool.serve.protocol import ChatCompletionRequest, CompletionRequest, check_text
-from kvpool.serve.responses import sse_stream, unless_disconnected
+from kvpool.serve.responses import (
+    chat_logprobs,
+    completion_logprobs,
+    sse_stream,
+    unless_disconnected,
+    vllm_prompt_logprobs,
+)
+from kvpool.serve.retention_fields import chat_marks, chat_retention, completion_retention, relayed
 from kvpool.serve.sampling_map import set_controls
 from kvpool.serve.state import off_loop, tokenizer_pool
 from kvpool.serve.tools import ToolPlan
@@ -101,15 +108,15 @@ class MatchRequest(BaseModel):
     cache_scope: Literal["tenant", "shared"] = "tenant"
 
 
-def _check_supported(n: int, beam: bool, logprobs: bool, controls: list[str] | None = None) -> None:
+def _check_supported(n: int, beam: bool, echo: bool, controls: list[str] | None = None) -> None:
     if controls:  # penalties, biases, constraints, best_of: not relayed (a split run would apply them twice)
         raise InvalidRequest(f"the conductor does not relay {controls[0]}", controls[0])
     if n != 1:
         raise InvalidRequest("the conductor serves n=1 only", "n")
     if beam:
         raise InvalidRequest("the conductor does not relay beam search", "use_beam_search")
-    if logprobs:
-        raise InvalidRequest("the conductor does not relay logprobs or echo", "logprobs")
+    if echo:
+        raise InvalidRequest("the conductor does not relay echo", "echo")
 
 
 class Gateway:
@@ -167,14 +174,24 @@ class Gateway:
             max_tokens = default_max_tokens(len(ids), req.n, self.poller.max_model_len,
                                             self.poller.kv_capacity_tokens)
         limits = InputLimits(self.poller.vocab_size, self.poller.max_model_len)
-        return InputProcessor(self.tokenizer, limits).process(ids, req.sampling_params(max_tokens, None)).params
+        logprobs = req.logprobs if isinstance(req, CompletionRequest) else req.num_logprobs
+        prompt_logprobs = req.prompt_logprobs if isinstance(req, CompletionRequest) else None
+        return InputProcessor(self.tokenizer, limits).process(
+            ids, req.sampling_params(max_tokens, logprobs, prompt_logprobs)).params
 
     def relay_for(self, ids: list[int], req: CompletionRequest | ChatCompletionRequest, params: SamplingParams,
                   salt: str | None, prefix: str) -> Relay:
+        """The request for the instances: its passed fields, the logprobs it asks for (the
+        prompt's go to the prefill instance only), the tenant's salt."""
         given = req.model_dump(exclude_unset=True)
         body = {k: given[k] for k in _PASSED if k in given}
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) is not None:
+                body[name] = getattr(params, name)
         if salt is not None:
             body["cache_salt"] = salt
+        if params.retention:
+            body["kvpool_retention"] = relayed(params.retention)
         rid = f"{prefix}-{uuid.uuid4().hex[:20]}"
         return Relay(rid, ids, self.hashes(ids, salt), body, params.max_tokens, self.conductor, self.poller,
                      self.client, self.stats)
@@ -189,14 +206,36 @@ class Gateway:
     def head(self, relay: Relay) -> dict[str, Any]:
         return response_head(relay.rid, int(time.time()), self.model_name(), self.poller.fingerprint)
 
-    async def pieces(self, relay: Relay, raw: Request) -> list[Piece]:
-        """Every piece of a whole (non-streamed) response."""
+    async def whole(self, relay: Relay, raw: Request) -> Piece:
+        """A whole (non-streamed) response's pieces as one."""
         first = await relay.start()
 
         async def collect() -> list[Piece]:
             return [first] + [p async for p in relay.rest()]
 
-        return await unless_disconnected(raw, collect())
+        return Piece.join(await unless_disconnected(raw, collect()))
+
+    def prompt_field(self, req: CompletionRequest, relay: Relay) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs` of a completion choice, as `kvpool serve` adds it (from the
+        instance that computed the prompt)."""
+        if req.prompt_logprobs is None or relay.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.tokenizer, relay.prompt_logprobs, req.prompt_logprobs)}
+
+    def completion_chunks(self, req: CompletionRequest, relay: Relay) -> Callable[[Piece], list[dict[str, Any]]]:
+        """Each piece as a streamed completion choice: its logprobs with text offsets counted from
+        the text sent before it, the prompt's logprobs on the first, as `kvpool serve` streams."""
+        sent = -1  # -1 until the first chunk
+
+        def choices(piece: Piece) -> list[dict[str, Any]]:
+            nonlocal sent
+            first, offset = sent < 0, max(sent, 0)
+            sent = offset + len(piece.text)
+            lps = completion_logprobs(self.tokenizer, piece.output(), 0, offset)
+            return [{**completion_choice(0, piece.text, lps, piece.finish_reason, piece.stop_reason),
+                     **(self.prompt_field(req, relay) if first else {})}]
+
+        return choices
 
     async def stream(self, relay: Relay, include_usage: bool, obj: str,
                      choices: Callable[[Piece], list[dict[str, Any]]], opening: Sequence[dict[str, Any]] = ()):
@@ -230,9 +269,9 @@ class Gateway:
                           self.poller.max_model_len)
 
     async def completions(self, req: CompletionRequest, raw: Request):
-        req.check(self.poller.vocab_size)
+        req.check()
         self.check_model(req.model)
-        _check_supported(req.n, req.use_beam_search, req.logprobs is not None or req.echo, set_controls(req))
+        _check_supported(req.n, req.use_beam_search, req.echo, set_controls(req))
         prompts = req.prompt_list()
         if len(prompts) != 1:
             raise InvalidRequest("the conductor takes one prompt per request", "prompt")
@@ -240,34 +279,40 @@ class Gateway:
         ids = await off_loop(self.pool, self.tokenizer.encode, p, add_special_tokens=req.add_special_tokens) \
             if isinstance(p, str) else list(p)
         params = self.params(ids, req, req.max_tokens)
+        params.retention = completion_retention(req.kvpool_retention, prompts, self.tokenizer, req.add_special_tokens)
         relay = self.relay_for(ids, req, params, request_salt(raw, req.cache_salt, req.cache_scope), "cmpl")
         if req.stream:
-            return await self.stream(relay, req.include_usage, "text_completion", lambda piece: [completion_choice(
-                0, piece.text, None, piece.finish_reason, piece.stop_reason)])
-        pieces = await self.pieces(relay, raw)
-        choice = completion_choice(0, "".join(p.text for p in pieces), None, pieces[-1].finish_reason,
-                                   pieces[-1].stop_reason)
+            return await self.stream(relay, req.include_usage, "text_completion", self.completion_chunks(req, relay))
+        out = await self.whole(relay, raw)
+        choice = {**completion_choice(0, out.text, completion_logprobs(self.tokenizer, out.output(), 0, 0),
+                                      out.finish_reason, out.stop_reason), **self.prompt_field(req, relay)}
         return JSONResponse({**self.head(relay), "object": "text_completion", "choices": [choice],
                              "usage": self.usage(relay)})
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request):
-        req.check(self.poller.vocab_size)
+        req.check()
         self.check_model(req.model)
-        _check_supported(req.n, req.use_beam_search, req.logprobs, set_controls(req))
+        _check_supported(req.n, req.use_beam_search, False, set_controls(req))
         plan = ToolPlan.of(req.tools, req.tool_choice, req.parallel_tool_calls, None)
         if plan.mode != "none":  # a forced call is a constraint, parsing "auto" calls is the server's
             raise InvalidRequest("the conductor does not relay tool calls", "tools")
         ids = await off_loop(self.pool, render_request, self.tokenizer, req, plan)
         params = self.params(ids, req, req.requested_max_tokens)
+        marks = chat_marks(req.messages)
+        if marks:  # as kvpool serve maps them, relayed as kvpool_retention
+            kwargs = {**(req.chat_template_kwargs or {}), **({"tools": plan.template_tools} if plan.template_tools else {})}
+            params.retention = await off_loop(self.pool, chat_retention, self.tokenizer, req.messages, marks, kwargs,
+                                              req.add_generation_prompt, req.add_special_tokens)
         relay = self.relay_for(ids, req, params, request_salt(raw, req.cache_salt, req.cache_scope), "chatcmpl")
         if req.stream:
             calls = plan.stream()
             return await self.stream(relay, req.include_usage, "chat.completion.chunk", lambda piece: delta_choices(
-                plan, calls, 0, piece.text, piece.finish_reason is not None, None, bool(piece.token_ids),
-                piece.finish_reason, piece.stop_reason), opening=[role_delta(0)])
-        pieces = await self.pieces(relay, raw)
-        choice = whole_choice(plan, 0, "".join(p.text for p in pieces), None, pieces[-1].finish_reason,
-                              pieces[-1].stop_reason)
+                plan, calls, 0, piece.text, piece.finish_reason is not None,
+                chat_logprobs(self.tokenizer, piece.output(), 0), bool(piece.token_ids), piece.finish_reason,
+                piece.stop_reason), opening=[role_delta(0)])
+        out = await self.whole(relay, raw)
+        choice = whole_choice(plan, 0, out.text, chat_logprobs(self.tokenizer, out.output(), 0), out.finish_reason,
+                              out.stop_reason)
         return JSONResponse({**self.head(relay), "object": "chat.completion", "choices": [choice],
                              "usage": self.usage(relay)})
 

@@ -6,6 +6,8 @@ shared pool); the decode instance gets prompt + first token with max_tokens-1, l
 prompt's KV from the pool and streams the rest. Colocated (`both`): one call does all.
 `start()` returns the first token, having already opened the decode stream, so every refusal
 or failure before the first byte becomes a proper HTTP status; `rest()` streams the others.
+Each piece carries its tokens' logprobs when asked for (the first token's from the prefill
+instance that sampled it); the prompt's logprobs come from the prefill instance alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import httpx
 from kvpool.cluster.members import Member, MemberPoller
 from kvpool.conductor.conductor import Conductor
 from kvpool.conductor.records import RouteRequest
+from kvpool.engine.outputs import CompletionOutput
 from kvpool.errors import InvalidRequest, KVPoolError, Overloaded
 from kvpool.serve.errors import NoUpstream, UpstreamFailed
 
@@ -42,12 +45,53 @@ class _Refused(KVPoolError):
         self.status, self.param = status, error.get("param")
 
 
+def _pairs(tops: list[list[list[Any]] | None] | None) -> list[list[tuple[int, float]] | None] | None:
+    """Top-N lists from JSON, their (token id, logprob) pairs back to tuples as the engine gives them."""
+    return None if tops is None else [None if top is None else [(int(t), v) for t, v in top] for top in tops]
+
+
 @dataclass(slots=True)
 class Piece:
+    """New tokens from an instance, with their logprobs (and top-N) when the request asked."""
+
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @classmethod
+    def of(cls, data: dict[str, Any]) -> Piece:
+        """A /internal/generate line."""
+        return cls(data["token_ids"], data["text"], data["finish_reason"], data["stop_reason"], data.get("logprobs"),
+                   _pairs(data.get("top_logprobs")))
+
+    @classmethod
+    def join(cls, pieces: list[Piece]) -> Piece:
+        """Consecutive pieces as one (their tokens, text and logprobs in order; the last's end)."""
+        out = cls([], "", pieces[-1].finish_reason, pieces[-1].stop_reason)
+        for p in pieces:
+            out.token_ids += p.token_ids
+            out.text += p.text
+            if p.logprobs is not None:
+                out.logprobs = (out.logprobs or []) + p.logprobs
+                out.top_logprobs = (out.top_logprobs or []) + (p.top_logprobs or [])
+        return out
+
+    def output(self) -> CompletionOutput:
+        """As the engine's output record, for the front's logprobs shapes."""
+        return CompletionOutput(0, self.token_ids, self.text, self.finish_reason, self.stop_reason,
+                                logprobs=self.logprobs, top_logprobs=self.top_logprobs)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """The prompt's logprobs from the prefill instance (the fields `vllm_prompt_logprobs` reads)."""
+
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[float | None]
+    prompt_top_logprobs: list[list[tuple[int, float]] | None]
 
 
 @dataclass(slots=True)
@@ -110,6 +154,7 @@ class Relay:
         self.cached_tokens = 0
         self.kv_breakdown: dict[str, dict[str, int]] = {}  # the prefill's, as `kvpool serve` reports it
         self.output_tokens = 0
+        self.prompt_logprobs: PromptLogprobs | None = None  # with the body's prompt_logprobs
         self._stream: _Upstream | None = None
         self._stream_member: Member | None = None
         self._routed = False
@@ -125,7 +170,8 @@ class Relay:
         if any(m.role == "decode" for m in members.values()) and not any(
                 m.up and m.role == "decode" for m in members.values()):
             raise NoInstance("no decode instance is up; retry later")
-        d = self.conductor.route(RouteRequest(self.rid, len(self.ids), self.hashes, self.max_tokens),
+        # max_tokens 0 (score the prompt) is routed as a 1-token request; the prefill ends it
+        d = self.conductor.route(RouteRequest(self.rid, len(self.ids), self.hashes, max(1, self.max_tokens)),
                                  time.monotonic())
         if not d.accepted:
             self.stats.rejected[d.reason] = self.stats.rejected.get(d.reason, 0) + 1
@@ -145,14 +191,15 @@ class Relay:
 
     async def _prefill_then_open_decode(self, prefill: Member, decode: Member) -> Piece:
         min_tokens = self.body.get("min_tokens", 0)
-        first = await self._open(prefill, self.ids, 1, min(min_tokens, 1))
-        while first.finish_reason is None:  # drain the one-token stream
+        pieces = [await self._open(prefill, self.ids, min(self.max_tokens, 1), min(min_tokens, 1))]
+        while pieces[-1].finish_reason is None:  # drain the one-token stream
             more = await self._next()
             if more is None:
                 break
-            first = more
+            pieces.append(more)
         await self._close_stream()
-        if first.finish_reason != "length" or self.max_tokens == 1:
+        first = Piece.join(pieces)
+        if first.finish_reason != "length" or self.max_tokens <= 1:
             self._finish()
             return first
         first.finish_reason = None
@@ -169,8 +216,11 @@ class Relay:
 
     async def _open(self, member: Member, prompt: list[int], max_tokens: int, min_tokens: int,
                     first_token: bool = True) -> Piece:
-        """Open a generation stream on `member`; with `first_token`, read and return it."""
+        """Open a generation stream on `member`; with `first_token`, read and return it. The
+        prompt's logprobs are asked of the instance that computes the prompt, not of the decode."""
         body = {**self.body, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": min_tokens}
+        if not first_token:
+            body.pop("prompt_logprobs", None)
         self._stream_member = member
         try:
             self._stream = await _Upstream.open(self.client, member.url, body)
@@ -209,6 +259,9 @@ class Relay:
             self._first_done = True
             self.cached_tokens = data["num_cached_tokens"]
             self.kv_breakdown = data.get("kv_breakdown", {})
+            if data.get("prompt_logprobs") is not None:
+                self.prompt_logprobs = PromptLogprobs(self.ids, data["prompt_logprobs"],
+                                                      _pairs(data.get("prompt_top_logprobs")) or [])
             now = time.monotonic()
             self.stats.prompt_tokens += len(self.ids)
             self.stats.cached_prompt_tokens += self.cached_tokens
@@ -217,7 +270,7 @@ class Relay:
             self.conductor.on_prefill_done(self.rid, now)
         self.output_tokens += len(data["token_ids"])
         self.stats.generated_tokens += len(data["token_ids"])
-        piece = Piece(data["token_ids"], data["text"], data["finish_reason"], data["stop_reason"])
+        piece = Piece.of(data)
         if piece.finish_reason is not None and self._stream_member.role != "prefill":
             self._finish()
         return piece

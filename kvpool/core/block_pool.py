@@ -25,6 +25,7 @@ from typing import overload
 
 from kvpool.core.hashing import BlockHash
 from kvpool.core.policies import EvictionPolicy, make_policy
+from kvpool.core.retention import RetentionTable
 from kvpool.errors import ConfigError, KVStateError, OutOfBlocks
 
 MAX_BLOCK_SIZE = 2048  # Mooncake hashes its trace in 512-token blocks
@@ -101,6 +102,7 @@ class BlockPool:
         self._tokens_in_use = 0
         self.events = KVEvents() if record_events else None
         self.num_evictions = 0
+        self.retention: RetentionTable | None = None  # set once a block is retained (core/retention.py)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -140,6 +142,18 @@ class BlockPool:
     def allocate(self, n: int, num_tokens: int = 0) -> list[int]:
         """Take `n` blocks at ref_count 1, free ones first, then evicting cached blocks in
         policy order. They hold `num_tokens` tokens, `block_size` per block from the first."""
+        out = self._take(n)
+        ref, tokens = self.ref_counts, self.block_tokens
+        B, left = self.block_size, num_tokens
+        for b in out:
+            ref[b] = 1
+            tokens[b] = fill = B if left >= B else left
+            left -= fill
+        self._tokens_in_use += num_tokens - left
+        return out
+
+    def _take(self, n: int) -> list[int]:
+        """`n` blocks out of the free list (in pop() order), then evicted in policy order."""
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} KV blocks, only {self.num_free} of {self.num_blocks} are free")
         free = self._free
@@ -148,15 +162,10 @@ class BlockPool:
         del free[len(free) - take :]
         out.reverse()  # the order pop() would give
         if take < n:
-            out.extend(self._evict(n - take))
+            ret = self.retention
+            retained = None if ret is None else ret.pick(self._evictable, n - take, self.block_hashes)
+            out.extend(self._evict(n - take, retained))
             self.num_evictions += n - take
-        ref, tokens = self.ref_counts, self.block_tokens
-        B, left = self.block_size, num_tokens
-        for b in out:
-            ref[b] = 1
-            tokens[b] = fill = B if left >= B else left
-            left -= fill
-        self._tokens_in_use += num_tokens - left
         return out
 
     def incref(self, block_id: int) -> None:
@@ -283,15 +292,16 @@ class BlockPool:
         events, self.events = self.events, KVEvents()
         return events if events is not None else KVEvents()
 
-    def _evict(self, n: int) -> list[int]:
-        """Take `n` cached blocks out of the cache, in eviction order."""
-        victims = self._evictable.pop_victims(n)
+    def _evict(self, n: int, victims: list[int] | None = None) -> list[int]:
+        """Take `n` cached blocks out of the cache, in eviction order (or `victims`, already
+        taken out of the order by retention)."""
+        if victims is None:
+            victims = self._evictable.pop_victims(n)
         current, cached = self.block_hashes, self._cached
         hashes = [current[b] for b in victims]
-        for h in hashes:
-            del cached[h]
-        for b in victims:
+        for b, h in zip(victims, hashes, strict=True):  # one pass while their entries are in cache
             current[b] = None
+            del cached[h]
         if self.events is not None:
             self.events.evicted.extend(hashes)
             self.events.evicted_block_ids.extend(victims)

@@ -16,6 +16,9 @@ block gets its own reason, decided from what this server saw before:
   longer holds the window a hit there needs (it was freed as it left an earlier sequence's window);
 - `integrity`: the store held it, but the block failed its check when read (`load_failed`: it
   was gone when read, the tier failed or the read timed out);
+- `load_slower_than_recompute`: the store held it, but the load-or-recompute planner
+  (`core/load_plan.py`) estimated that reading it (and the blocks after it) would take longer than
+  computing them;
 - `uncacheable`: the request reads no cache (prefix caching off, or prompt logprobs need every
   position computed).
 A block after the first miss that is still cached on the device inherits the reason of the
@@ -44,6 +47,7 @@ OUTSIDE_WINDOW = "outside_window"
 INTEGRITY = "integrity"
 LOAD_FAILED = "load_failed"
 UNCACHEABLE = "uncacheable"
+LOAD_SLOWER = "load_slower_than_recompute"
 EVICTED = "evicted_"  # + "device" or the store's last tier
 
 
@@ -173,9 +177,11 @@ class MissLedger:
             self.unsalted.add_all(hashes)
 
     def explain(self, token_ids: Sequence[int], salt: str | None, hashes: Sequence[BlockHash],
-                hit_blocks: int, store_blocks: int, reusable: bool = True) -> PromptSources:
+                hit_blocks: int, store_blocks: int, reusable: bool = True,
+                slower_blocks: int = 0) -> PromptSources:
         """The split of a prompt admitted with a device hit of `hit_blocks` and `store_blocks`
-        more planned from the store (`hashes`: its full blocks' identities)."""
+        more planned from the store (`hashes`: its full blocks' identities), and the
+        `slower_blocks` after those that the store held but the planner chose to compute."""
         B, L = self.block_size, len(token_ids)
         out = PromptSources(L, B, hashes=tuple(hashes), scope=salt_scope(salt))
         if not reusable:
@@ -188,6 +194,9 @@ class MissLedger:
         limit = min((L - 1) // B, len(hashes))
         out.miss(PARTIAL_BLOCK, L - limit * B)
         start = hit_blocks + store_blocks
+        slower = max(0, min(slower_blocks, limit - start))
+        out.miss(LOAD_SLOWER, slower * B)
+        start += slower
         plain: list[BlockHash] | None = None
         last: str | None = None
         for i in range(start, limit):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from itertools import repeat
 from typing import Protocol
 
@@ -73,6 +73,14 @@ class _DictStamps:
         get = self._stamp_of.get
         return [key for key, stamp in zip(keys, stamps, strict=True) if get(key) is stamp]
 
+    def take(self, keys: Iterable[Hashable], stamps: Iterable[object]) -> list[Hashable]:
+        """`live`, and forget those keys (victims: a key has at most one live entry)."""
+        stamp_of = self._stamp_of
+        out = [key for key, stamp in zip(keys, stamps, strict=True) if stamp_of.get(key) is stamp]
+        for key in out:
+            del stamp_of[key]
+        return out
+
     def stamps(self, keys: Iterable[Hashable]) -> list[object]:
         """The stamp of each key (all evictable)."""
         return list(map(self._stamp_of.__getitem__, keys))
@@ -106,6 +114,17 @@ class _ListStamps:
     def live(self, keys: Iterable[int], stamps: Iterable[object]) -> list[int]:
         stamp_of = self._stamp_of
         return [key for key, stamp in zip(keys, stamps, strict=True) if stamp_of[key] is stamp]
+
+    def take(self, keys: Iterable[int], stamps: Iterable[object]) -> list[int]:
+        # one pass: each victim's slot is read and cleared while it is in cache
+        stamp_of = self._stamp_of
+        out = []
+        for key, stamp in zip(keys, stamps, strict=True):
+            if stamp_of[key] is stamp:
+                stamp_of[key] = None
+                out.append(key)
+        self._len -= len(out)
+        return out
 
     def stamps(self, keys: Iterable[int]) -> list[object]:
         stamp_of = self._stamp_of
@@ -201,8 +220,7 @@ class LRUPolicy:
         victims: list[Hashable] = []
         while len(victims) < n:  # each pass reads as many entries as victims are missing
             start, self._head = self._head, self._head + n - len(victims)
-            victims += self._slots.live(self._keys[start : self._head], self._stamps[start : self._head])
-        self._slots.drop(victims)
+            victims += self._slots.take(self._keys[start : self._head], self._stamps[start : self._head])
         self._compact()
         return victims
 
@@ -221,6 +239,13 @@ class LRUPolicy:
     def order(self) -> list[Hashable]:
         """The evictable keys, next victim first (for inspection and tests)."""
         return self._slots.live(self._keys[self._head :], self._stamps[self._head :])
+
+    def iter_order(self) -> Iterator[Hashable]:
+        """`order`, lazily in chunks (retention reads only as far as it needs; the policy must
+        not change while this runs)."""
+        keys, stamps, live = self._keys, self._stamps, self._slots.live
+        for i in range(self._head, len(keys), 256):
+            yield from live(keys[i : i + 256], stamps[i : i + 256])
 
     def __contains__(self, key: object) -> bool:
         return key in self._slots
@@ -262,6 +287,17 @@ class FIFOPolicy(_Batched):
                 del self._ticket[key]
                 return key
         raise KeyError("no evictable key")
+
+    def iter_order(self) -> Iterator[Hashable]:
+        """The evictable keys, next victim first, lazily (for retention; no change meanwhile)."""
+        heap, ticket, present = list(self._heap), self._ticket, self._present
+        last = None
+        while heap:
+            entry = heapq.heappop(heap)  # a key reinserted with its ticket has equal entries: adjacent
+            t, key = entry
+            if entry != last and key in present and ticket.get(key) == t:
+                yield key
+            last = entry
 
     def forget(self, key: Hashable) -> None:
         """Drop the remembered position of a key that is not evictable now."""
@@ -326,6 +362,11 @@ class LFUPolicy(_Batched):
         self._bucket_del(key)
         del self._count[key]
         return key
+
+    def iter_order(self) -> Iterator[Hashable]:
+        """The evictable keys, next victim first, lazily (for retention; no change meanwhile)."""
+        for count in sorted(self._buckets):
+            yield from self._buckets[count]
 
     def forget(self, key: Hashable) -> None:
         """Drop the remembered count of a key that is not evictable now."""

@@ -163,10 +163,14 @@ class RooflineCostModel:
         """`step_time` of a step decoding one token for each sequence (context lengths after the
         step) and moving no blocks: the simulator's commonest step, costed without a StepBatch
         (the same operations, so the same result)."""
-        if not context_lens:
+        return self.plain_decode_time_of(len(context_lens), sum(context_lens))
+
+    def plain_decode_time_of(self, num_seqs: int, context_tokens: int) -> float:
+        """`plain_decode_time` from the batch size and the contexts' sum: each sequence's attention
+        flops are a whole number (below 2**53), so their float sum is exact and equals one product."""
+        if not num_seqs:
             return 0.0
-        per_pair = self._attn_flops_per_pair  # one new token attends to its whole context
-        return self._time(len(context_lens), sum([per_pair * c for c in context_lens]), sum(context_lens))
+        return self._time(num_seqs, self._attn_flops_per_pair * context_tokens, context_tokens)
 
     def _time(self, tokens: int, attention_flops: float, context_tokens: int) -> float:
         flops = self._flops_per_token * tokens + attention_flops

@@ -31,12 +31,16 @@ def cpu_bf16_flags() -> tuple[str, ...]:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """`auto`: bfloat16 on a CPU with AMX or AVX512-BF16 (several times fp32's matmul rate),
-    float32 elsewhere (CUDA included, today's exact path); logged with the reason."""
+    """`auto`: bfloat16 on a GPU that supports it (as vLLM runs bf16 checkpoints; on CUDA it is
+    also the batch-invariant path, docs/determinism.md) and on a CPU with AMX or AVX512-BF16
+    (several times fp32's matmul rate), float32 elsewhere; logged with the reason."""
     if dtype != "auto":
         return dtype
     if device == "cuda" or (device == "auto" and _cuda_available()):
-        logger.info("dtype auto -> float32 (CUDA device; pass --dtype bfloat16 to opt in)")
+        if _cuda_bf16():
+            logger.info("dtype auto -> bfloat16 (CUDA device with bf16; --dtype float32 for fp32)")
+            return "bfloat16"
+        logger.info("dtype auto -> float32 (CUDA device without bf16)")
         return "float32"
     flags = cpu_bf16_flags()
     if flags:
@@ -91,6 +95,12 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     return model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
+def _cuda_bf16() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -129,6 +139,7 @@ class EngineConfig:
     kv_disk_codec: str = "none"  # none | zstd | zstd-shuffle | int8[+zstd] | int4[+zstd] (kvpool/store/codec.py)
     kv_remote_codec: str = "none"
     kv_layerwise_load: bool = True  # store hits land layer by layer during the forward (kvpool/engine/layerwise.py)
+    kv_load_plan: bool = True  # load a store hit only as far as that beats recomputing it (core/load_plan.py)
     publish_kv_events: bool = False  # keep stored/evicted hashes for drain_kv_events()
     swa_freeing: bool = True  # windowed layers free KV blocks behind the window (kvpool/core/layer_groups.py)
 
@@ -201,7 +212,7 @@ def check_model_path(model: str) -> None:
 
 
 _HELP = {
-    "dtype": "auto (bfloat16 on CPUs with AMX or AVX512-BF16, else float32) | float32 | bfloat16 | float16",
+    "dtype": "auto (bfloat16 on bf16 GPUs and on CPUs with AMX or AVX512-BF16, else float32) | float32 | bfloat16 | float16",
     "kv_cache_dtype": "KV cache dtype: auto (= --dtype) | float32 | bfloat16 | fp8_e4m3 | int8; int8 / fp8 "
     "keep one float32 scale per token and KV head (~1.9x the blocks of bf16 at head_dim 64; docs/kv_quant.md)",
     "model": "a .gguf file or an HF model directory (default: the bundled SmolLM2-135M-Instruct)",
@@ -231,6 +242,8 @@ _HELP = {
     "kv_remote_codec": "remote tier block codec: as --kv-disk-codec",
     "kv_layerwise_load": "tiered KV store: write a store hit into the device cache layer by layer while "
     "the forward computes (the forward waits for layer l before computing it); off: whole blocks between steps",
+    "kv_load_plan": "tiered KV store: load a store hit only as far as loading beats recomputing it, from each "
+    "tier's measured read cost and the measured prefill cost (docs/store.md); off: always load the whole hit",
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import asdict
 
@@ -100,7 +101,7 @@ class Engine:
         self.kv_store: KVStoreConnector | None = None
         if store is not None:
             self.kv_store = KVStoreConnector(store, self.runner, self.scheduler, config.kv_write_policy,
-                                             layerwise=config.kv_layerwise_load)
+                                             layerwise=config.kv_layerwise_load, plan_loads=config.kv_load_plan)
             self.scheduler.external_kv = self.kv_store.lookup
         self.scheduler.kv.ledger = self.kv_store.miss_ledger() if self.kv_store else MissLedger.of(self.scheduler.kv)
         self._published = KVEvents()
@@ -190,8 +191,9 @@ class Engine:
         return events
 
     def _blocks_from_budget(self, per_block: int) -> int:
-        budget = kv_budget(self.config.kv_cache_memory, per_block // self.config.block_size, self.max_model_len,
-                           available_host_memory())
+        # the KV lives on the model's device: its free memory, not the host's, bounds the budget
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_host_memory()
+        budget = kv_budget(self.config.kv_cache_memory, per_block // self.config.block_size, self.max_model_len, free)
         if budget < per_block:
             raise ConfigError(f"KV budget {budget} bytes holds no block; one block needs {per_block} bytes")
         return budget // per_block
@@ -245,7 +247,7 @@ class Engine:
         )
         self.scheduler.add_request(group)  # refuses a request id in use; from here nothing can fail
         metrics = RequestMetrics(request_id, group.arrival_time, seq.prompt_len,
-                                 n_param=params.n, max_tokens_param=params.max_tokens)
+                                 n_param=params.n, max_tokens_param=params.max_tokens, added_s=time.monotonic())
         self.outputs.add(group, req.prompt, metrics)
         self.controls.add(request_id, req.controls)
         return request_id
@@ -263,11 +265,16 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # -- the step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, deliver: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """One iteration: a record of what is new for each request it advanced. Requests that
-        failed in it come back finished, with `error` set."""
+        failed in it come back finished, with `error` set. With `deliver`, the records of
+        unfinished requests are handed to it as soon as they are made, before the tiered store
+        copies out the step's blocks (a first token does not wait for that copy), and the step
+        returns the finished ones after it: their client may next ask another instance for that
+        KV (a prefill instance's answer to the P/D relay)."""
         sched = self.scheduler
-        out = sched.schedule()
+        start = time.monotonic()  # the step's phases: each prompt's time to first token (`outputs.timed`)
+        out = sched.schedule(start)  # `now` for retention TTLs (core/retention.py)
         try:
             if self.kv_store is not None:
                 self.kv_store.before_forward(out, self._events())
@@ -277,7 +284,7 @@ class Engine:
                 if self.kv_store is not None:
                     self.kv_store.complete_loads()
                 return []
-            now = time.monotonic()
+            scheduled_at = time.monotonic()
             ran = False
             try:
                 logits = self.runner.execute(out, out.block_tables)
@@ -290,17 +297,20 @@ class Engine:
             logger.exception("engine step failed; failing the %d request(s) it scheduled", len(out.scheduled))
             return self._fail_step(out, f"engine error: {type(e).__name__}: {e}")
         self.num_steps += 1
-        self.outputs.scheduled(out.scheduled, now)
+        forwarded = time.monotonic()
+        self.outputs.scheduled(out.scheduled, scheduled_at)
         for s in out.scheduled:
             if s.start < s.seq.prompt_len:
                 self.num_prompt_tokens += min(s.start + s.num_new_tokens, s.seq.prompt_len) - s.start
         rows = out.sampling
         sampled = self.sampler.sample(rows, logits, self._failed)
+        sampled_at = time.monotonic()
         touched = {s.group.request_id: s.group for s in rows}
         self._fail_marked(touched)
         try:
             finished = {g.request_id for g in sched.postprocess(
                 out, sampled, self._accept if self.controls.constrained else None)}
+            postprocessed = time.monotonic()
             hits, failed = self.outputs.detokenize(list(touched.values()))
             self._failed.update(failed)
             if hits:  # the core stops them, before anything is reported or the store sees the step
@@ -308,16 +318,10 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a bookkeeping bug must not wedge the engine
             logger.exception("postprocess failed; failing the step's requests")
             return self._fail_step(out, f"engine error: {type(e).__name__}: {e}")
+        detokenized = time.monotonic()
         self._fail_marked(touched)
-        try:
-            if self.kv_store is not None:
-                self.kv_store.after_update(self._events())
-                self.kv_store.complete_loads()
-            elif self.config.publish_kv_events:
-                self._events()
-        except Exception:  # noqa: BLE001 - the store is best effort; the tokens are computed
-            logger.exception("KV store write-through after the step failed")
         now = time.monotonic()
+        self.outputs.timed(start, scheduled_at, forwarded, sampled_at, postprocessed, detokenized)
         results = []
         for rid, g in touched.items():
             error = self._failed.pop(rid, None)
@@ -328,6 +332,17 @@ class Engine:
             if done:
                 self.controls.forget(rid)
         self._failed.clear()
+        if deliver is not None and results:  # unfinished requests' tokens go out before the store's write-through
+            deliver([r for r in results if not r.finished])
+            results = [r for r in results if r.finished]
+        try:
+            if self.kv_store is not None:
+                self.kv_store.after_update(self._events())
+                self.kv_store.complete_loads()
+            elif self.config.publish_kv_events:
+                self._events()
+        except Exception:  # noqa: BLE001 - the store is best effort; the tokens are computed
+            logger.exception("KV store write-through after the step failed")
         return results
 
     def _accept(self, g: SequenceGroup, seq: Sequence, token: int) -> bool:

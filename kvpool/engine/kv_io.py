@@ -17,11 +17,18 @@ checked: raw, int8, int4) and written during the next forward pass, one layer at
 thread (kvpool/engine/layerwise.py), the model waiting for layer l before computing it; the
 plan is kvpool/sched/layerwise.py's. Writes whose blocks the next step moves first (a swap-out
 or copy-on-write source) or that no forward will run for are made whole before the step.
+
+Load or recompute (`plan_loads`): the connector is the scheduler's `LoadCosts`. It times every
+forward pass against its tokens (the prefill cost, an online line) and hands the store's per-tier
+read estimates to admission, which loads a hit only as far as that beats recomputing it
+(kvpool/core/load_plan.py). A tier not read for `read_estimate_max_age_s` is priced as unknown
+(free), so a tier that was slow gets read, and measured, again.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -34,6 +41,7 @@ import torch
 from kvpool.core.block_pool import KVEvents
 from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_groups import NO_BLOCK
+from kvpool.core.load_plan import LinearEstimate, LoadEstimates
 from kvpool.core.miss_reasons import INTEGRITY, LOAD_FAILED, MissLedger
 from kvpool.engine.layerwise import LayerwiseWriter
 from kvpool.engine.runner import ModelRunner
@@ -46,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 class KVStoreConnector:
     def __init__(self, store: TieredKVStore, runner: ModelRunner, scheduler: Scheduler, write_policy: str,
-                 load_timeout_s: float = 10.0, layerwise: bool = False) -> None:
+                 load_timeout_s: float = 10.0, layerwise: bool = False, plan_loads: bool = True) -> None:
         self.store = store
         self.layerwise = layerwise
         self.load_timeout_s = load_timeout_s
@@ -54,6 +62,7 @@ class KVStoreConnector:
         self.scheduler = scheduler
         self.write_back = write_policy == "write-back"
         self._loaded: set[BlockHash] = set()
+        self._held: set[BlockHash] = set()  # blocks the store was seen holding at admission: not saved again
         self._inflight: list[tuple[KVLoad, Future[list[np.ndarray]]]] = []
         self._pending_stored: list[BlockHash] = []
         self._staged: list[tuple[KVLoad, list[np.ndarray]]] = []  # checked, reported, not yet written
@@ -65,13 +74,43 @@ class KVStoreConnector:
         self.saved_blocks = 0
         self.load_stall_s = 0.0  # engine-thread time spent waiting for loaded KV to be written
         self.read_wait_s = 0.0  # engine-thread time spent waiting for store reads (and checks) to finish
+        self.read_estimate_max_age_s = 30.0
+        self.prefill = LinearEstimate()  # seconds of a forward pass against its tokens
+        self._forward: tuple[float, int] | None = None  # (start, tokens) of the forward under way
+        self.block_bytes = math.prod(store.block_shape) * store.dtype.itemsize * runner.groups.num_groups
+        if plan_loads:
+            scheduler.admission.load_costs = self
+        store.follow_retention(lambda: scheduler.kv.pool.retention)  # tiers honour the device's pins
+
+    def estimates(self) -> LoadEstimates | None:
+        """The planner's inputs now (kvpool/core/load_plan.py); None until a forward pass was timed
+        (the first, warming up, prices compute high: the planner errs towards loading)."""
+        if self.prefill.count == 0:
+            return None
+        return LoadEstimates(self.store.read_costs(self.read_estimate_max_age_s), self.block_bytes,
+                             self.prefill_s, overlap=False)
+
+    def prefill_s(self, cached_tokens: int, new_tokens: int) -> float:
+        """Estimated seconds to compute `new_tokens` prompt tokens: one step's fixed cost per chunk
+        of the token budget, plus the per-token cost."""
+        if new_tokens <= 0:
+            return 0.0
+        config = self.scheduler.config
+        steps = math.ceil(new_tokens / config.max_num_batched_tokens) if config.enable_chunked_prefill else 1
+        intercept, slope = self.prefill.line()
+        return steps * intercept + slope * new_tokens
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         return self.store.lookup(hashes)[0]
 
     def tiers_of(self, hashes: Sequence[BlockHash]) -> list[str]:
-        """The fastest tier holding each of `hashes` (a run the store holds whole)."""
-        return self.store.lookup(hashes)[1]
+        """The fastest tier holding each of `hashes` (a run the store holds whole). Those blocks
+        are not saved again when computed (the planner may recompute blocks the store holds)."""
+        where = self.store.lookup(hashes)[1]
+        if len(self._held) > 1 << 16:
+            self._held.clear()
+        self._held.update(hashes[: len(where)])
+        return where
 
     def miss_ledger(self) -> MissLedger:
         """The scheduler's KV manager's ledger of miss reasons, told of this store's tiers."""
@@ -86,6 +125,8 @@ class KVStoreConnector:
         self._start_layerwise(out)
         for load in out.kv_loads:
             self._inflight.append((load, self.store.load_async(load.hashes, deferred=self.layerwise)))
+        tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self._forward = (time.monotonic(), tokens, self._store_wait_s()) if tokens else None
 
     def complete_loads(self) -> None:
         """Copy landed blocks into their device blocks and report them to the scheduler; a
@@ -126,6 +167,14 @@ class KVStoreConnector:
             start = time.perf_counter()
             writer.join(check_waited=ran)
             self.load_stall_s += writer.stall_s + time.perf_counter() - start
+        forward, self._forward = self._forward, None
+        if forward is not None and ran:  # compute alone: a slow tier's reads must not price recomputing
+            start, tokens, waited = forward
+            self.prefill.update(float(tokens), time.monotonic() - start - (self._store_wait_s() - waited))
+
+    def _store_wait_s(self) -> float:
+        """Seconds this connector has spent waiting for store reads and writing loaded blocks."""
+        return self.read_wait_s + self.load_stall_s
 
     def _start_layerwise(self, out: SchedulerOutput) -> None:
         """Hand the loads staged since the last step to a loader thread for this forward. A load
@@ -184,8 +233,9 @@ class KVStoreConnector:
         pool = self.scheduler.kv.pool
         todo = []
         for h in stored:
-            if h in self._loaded:
+            if h in self._loaded or h in self._held:
                 self._loaded.discard(h)
+                self._held.discard(h)
                 continue
             block_id = pool.lookup(h)
             if block_id is not None:

@@ -25,6 +25,7 @@ from typing import Any
 from kvpool.engine.controls import best_of
 from kvpool.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpool.engine.tokenizer import IncrementalDetokenizer
+from kvpool.sched.metrics import FirstTokenPhases
 from kvpool.sched.output import ScheduledSeq
 from kvpool.sched.request import FinishReason, Sequence, SequenceGroup
 from kvpool.sched.stops import Stops
@@ -72,6 +73,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._requests: dict[str, _Request] = {}
         self.num_chars = 0  # characters detokenized and emitted, over every request
+        self._prefilling: dict[str, RequestMetrics] = {}  # this step's requests with no token yet
 
     def add(self, group: SequenceGroup, prompt: str | None, metrics: RequestMetrics) -> None:
         p = group.params
@@ -86,13 +88,29 @@ class OutputProcessor:
 
     def scheduled(self, scheduled: list[ScheduledSeq], now: float) -> None:
         """The step ran these rows: a request's first time scheduled is now, and its prompt's
-        KV sources are the record its store loads settle."""
+        KV sources are the record its store loads settle. Those with no token yet are kept for
+        `timed`, which adds the step's phases to their time to first token."""
         requests = self._requests
+        prefilling = self._prefilling = {}
         for s in scheduled:
             req = requests.get(s.group.request_id)
-            if req is not None and req.metrics.first_scheduled_s is None:
-                req.metrics.first_scheduled_s = now
-                req.metrics.prompt_sources = s.group.prompt_sources
+            if req is None:
+                continue
+            m = req.metrics
+            if m.first_scheduled_s is None:
+                m.first_scheduled_s = now
+                m.prompt_sources = s.group.prompt_sources
+            if not m.token_times:
+                prefilling[s.group.request_id] = m
+
+    def timed(self, start: float, *ends: float) -> None:
+        """The step's start and the end of each of its phases (`FirstTokenPhases.add_step`):
+        added to every request it ran that has no token yet."""
+        for m in self._prefilling.values():
+            if m.phases is None:
+                m.phases = FirstTokenPhases(max(0.0, start - m.added_s) if m.added_s is not None else 0.0)
+            m.phases.add_step(start, *ends)
+        self._prefilling = {}
 
     # -- 1. text and stop strings ----------------------------------------------------------
     def detokenize(self, groups: list[SequenceGroup]) -> tuple[list[StopHit], dict[str, str]]:

@@ -1,6 +1,7 @@
 """Admission: a waiting group gets blocks for every live sequence, all or nothing, reusing
 its device prefix-cache hit; blocks beyond that hit which the external store holds are planned
-as loads (`KVLoad`) that the driver carries out and reports back."""
+as loads (`KVLoad`) that the driver carries out and reports back, as far as loading them beats
+recomputing them (`core/load_plan.py`, with the driver's `load_costs`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from kvpool.core.fit import largest_fitting
 from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_manager import KVCacheManager
 from kvpool.core.kv_records import PrefixHit
+from kvpool.core.load_plan import LoadCosts, plan_load
 from kvpool.core.miss_reasons import LOAD_FAILED
 from kvpool.core.store_hits import StoreRange, store_hit_blocks, store_plan
 from kvpool.sched.output import ExternalLookup, KVLoad, SchedulerOutput, StoreHit
@@ -25,7 +27,9 @@ class Admission:
         self.chunked = enable_chunked_prefill
         self.watermark_blocks = watermark_blocks
         self.external_kv = external_kv  # how many blocks, from the first, the external store holds
+        self.load_costs: LoadCosts | None = None  # the driver's estimates; None: load every hit whole
         self.num_external_hit_tokens = 0
+        self.num_recomputed_for_speed_tokens = 0  # store-held tokens the planner chose to compute
         self._load_ids = itertools.count()
 
     def admit(self, group: SequenceGroup, out: SchedulerOutput, chunk: int) -> int:
@@ -41,24 +45,25 @@ class Admission:
         for seq in group.live_seqs:
             hashes = self.hashes(group, seq)
             hit = self._match(group, seq, hashes)
-            ranges = self._store_ranges(group, seq, hashes, hit.num_tokens // B)
+            ranges, slower = self._store_ranges(group, seq, hashes, hit.num_tokens // B)
             seq_need = kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges, chunk))
             if ranges and seq_need > kv.pool.num_blocks - self.watermark_blocks:
-                ranges = []  # the hit's window groups alone would never fit: compute instead
-            plans.append((seq, hashes, hit, ranges))
+                ranges, slower = [], 0  # the hit's window groups alone would never fit: compute instead
+            plans.append((seq, hashes, hit, ranges, slower))
         chunk = self._fitting_chunk(plans, chunk)
         if not chunk:
             return 0
-        for i, (seq, hashes, hit, ranges) in enumerate(plans):
+        for i, (seq, hashes, hit, ranges, slower) in enumerate(plans):
             if i > 0:  # the allocations before may have changed what this one matches
                 planned, hit = hit.num_tokens, self._match(group, seq, hashes)
                 if hit.num_tokens != planned:
-                    ranges = self._store_ranges(group, seq, hashes, hit.num_tokens // B)
+                    ranges, slower = self._store_ranges(group, seq, hashes, hit.num_tokens // B)
             if i == 0 and group.num_preemptions == 0 and kv.ledger is not None:  # before allocating evicts
                 group.prompt_sources = kv.ledger.explain(
                     seq.token_ids, group.cache_salt, hashes, hit.num_tokens // B,
                     ranges[0].end - hit.num_tokens // B if ranges else 0,
-                    kv.enable_prefix_caching and group.params.prompt_logprobs is None)
+                    kv.enable_prefix_caching and group.params.prompt_logprobs is None, slower)
+            self.num_recomputed_for_speed_tokens += slower * B
             cached = kv.allocate(seq.seq_id, seq.token_ids, group.cache_salt, hashes, hit,
                                  upto=self._window_upto(hit, ranges, chunk))
             external = self._plan_store_loads(group, seq, hashes, cached // B, ranges, out)
@@ -89,7 +94,7 @@ class Admission:
 
         def fits(c: int) -> bool:
             return sum(kv.blocks_needed(len(seq.token_ids), hit, self._window_upto(hit, ranges, c))
-                       for seq, _, hit, ranges in plans) <= free
+                       for seq, _, hit, ranges, _ in plans) <= free
 
         if not kv.windowed or not self.chunked:
             return chunk if fits(chunk) else 0
@@ -100,12 +105,26 @@ class Admission:
         return self.kv.match_prefix([] if group.params.prompt_logprobs is not None else hashes, len(seq.token_ids))
 
     def _store_ranges(self, group: SequenceGroup, seq: Sequence, hashes: list[BlockHash],
-                      hit_blocks: int) -> list[StoreRange]:
-        """What the external store adds past a device hit of `hit_blocks`, per layer group."""
+                      hit_blocks: int) -> tuple[list[StoreRange], int]:
+        """What the external store adds past a device hit of `hit_blocks`, per layer group, cut
+        where the planner says recomputing the rest is faster than loading it; and how many of
+        the held blocks that cut leaves to compute."""
         if self.external_kv is None or group.params.prompt_logprobs is not None:
-            return []
-        limit = (len(seq.token_ids) - 1) // self.kv.block_size
-        return store_plan(self.kv.groups, hashes, hit_blocks, limit, self.external_kv)
+            return [], 0
+        B = self.kv.block_size
+        limit = (len(seq.token_ids) - 1) // B
+        ranges = store_plan(self.kv.groups, hashes, hit_blocks, limit, self.external_kv)
+        est = self.load_costs.estimates() if self.load_costs is not None and ranges else None
+        if est is None:
+            return ranges, 0
+        end = ranges[0].end
+        tiers: list[str | None] = list(self.load_costs.tiers_of(hashes[hit_blocks:end]))[: end - hit_blocks]
+        tiers += [None] * (end - hit_blocks - len(tiers))
+        k = hit_blocks + plan_load(tiers, est, hit_blocks * B, len(seq.token_ids), B).blocks
+        if k == end:
+            return ranges, 0
+        cut = store_plan(self.kv.groups, hashes, hit_blocks, k, self.external_kv) if k > hit_blocks else []
+        return cut, end - (cut[0].end if cut else hit_blocks)
 
     def _window_upto(self, hit: PrefixHit, ranges: list[StoreRange], chunk: int) -> int | None:
         """Where a new sequence's window groups stop at admission: the first prefill chunk (of

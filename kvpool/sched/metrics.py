@@ -11,6 +11,32 @@ from kvpool.core.miss_reasons import PromptSources
 
 
 @dataclass(slots=True)
+class FirstTokenPhases:
+    """Where a request's time to its first token went inside its driver (seconds): the wait
+    from its admission to the start of the first step that ran it, then, summed over the steps
+    that ran it until it had a token, each step's phases. A step's phases are the whole step's
+    (a prompt's forward shares its step with the batch's decode rows)."""
+
+    queued: float
+    schedule: float = 0.0
+    prefill_compute: float = 0.0  # the model's forward (and KV loads around it)
+    sample: float = 0.0
+    postprocess: float = 0.0  # the core's bookkeeping: commit KV, forks, stops
+    detokenize: float = 0.0  # the output processor's text and stop strings
+    steps: int = 0
+
+    def add_step(self, start: float, scheduled: float, forwarded: float, sampled: float, postprocessed: float,
+                 detokenized: float) -> None:
+        """One step's instants, in order: its start, and the end of each phase."""
+        self.schedule += scheduled - start
+        self.prefill_compute += forwarded - scheduled
+        self.sample += sampled - forwarded
+        self.postprocess += postprocessed - sampled
+        self.detokenize += detokenized - postprocessed
+        self.steps += 1
+
+
+@dataclass(slots=True)
 class RequestMetrics:
     """One request's timeline in its driver's clock (wall or virtual): arrival, first
     scheduled, each output step's instant, and completion. The engine and the simulator both
@@ -27,6 +53,8 @@ class RequestMetrics:
     n_param: int = 1  # the request's n and max_tokens (the server's per-request histograms)
     max_tokens_param: int | None = None
     prompt_sources: PromptSources | None = None  # where the prompt's KV came from, why the rest was computed
+    added_s: float | None = None  # when the driver admitted it into its queue (after the front's work)
+    phases: FirstTokenPhases | None = None  # its time to first token, by phase, once it has run
 
     def on_token(self, now: float, count: int = 1) -> None:
         """Record `count` tokens emitted at `now` (count > 1 for parallel samples / spec. decode)."""

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvpool.core.retention import RetentionRequest
 from kvpool.errors import InvalidRequest
 
 MAX_N = 16
@@ -83,6 +84,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # logprobs of each prompt token (and its top-N) when set
     structured_outputs: StructuredOutputs | None = None
     lora: str | None = None  # the LoRA adapter's name (kvpool.engine.lora); None: the base model
+    retention: tuple[RetentionRequest, ...] = ()  # keep prompt prefixes cached (core/retention.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +95,10 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = _token_id_keys(self.logit_bias)
+        if isinstance(self.retention, dict | RetentionRequest):
+            self.retention = (self.retention,)
+        if isinstance(self.retention, list | tuple):
+            self.retention = tuple(RetentionRequest(**r) if isinstance(r, dict) else r for r in self.retention)
         self.validate()
 
     @classmethod
@@ -163,6 +169,8 @@ class SamplingParams:
             raise bad("n", "beam search needs n >= 2 beams")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise bad("lora", f"must be an adapter's name, got {self.lora!r}")
+        if not isinstance(self.retention, tuple) or not all(isinstance(r, RetentionRequest) for r in self.retention):
+            raise bad("retention", "must be RetentionRequests or dicts of their fields")
         self._validate_controls(bad)
 
     def _validate_controls(self, bad) -> None:

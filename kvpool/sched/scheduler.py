@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 from kvpool.core.kv_manager import KVCacheManager
 from kvpool.core.miss_reasons import LOAD_FAILED
+from kvpool.core.retention import retain_hashes
 from kvpool.errors import InvalidRequest
 from kvpool.sched.admission import Admission
 from kvpool.sched.beam import BeamSearch
@@ -137,6 +138,10 @@ class Scheduler:
             raise InvalidRequest(f"request id {group.request_id!r} is already in use", param="request_id")
         self.groups[group.request_id] = group
         self.waiting.append(group)
+        if self.kv.pool.retention is not None:  # an arrival is a time the driver passed
+            self.kv.pool.retention.advance(group.arrival_time)
+        for retention in group.params.retention:  # by hash (admission's): holds once the blocks register
+            retain_hashes(self.kv, self.admission.hashes(group, group.seqs[0]), retention, group.arrival_time)
 
     def check_capacity(self, prompt_len: int, params: SamplingParams) -> None:
         """Raise InvalidRequest when a group of `prompt_len` prompt tokens could never hold
@@ -185,8 +190,11 @@ class Scheduler:
         self.admission.finish_kv_load(load, num_loaded, why)
 
     # -- the step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Who runs this step and with which blocks (tables valid until `postprocess`)."""
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Who runs this step and with which blocks (tables valid until `postprocess`). `now`,
+        the driver's time, is what retention TTLs expire against (core/retention.py)."""
+        if now is not None and self.kv.pool.retention is not None:
+            self.kv.pool.retention.advance(now)
         out = SchedulerOutput()
         self._plan(out)
         table = self.kv.block_table

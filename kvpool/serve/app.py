@@ -33,6 +33,7 @@ from kvpool.serve.protocol import (
 )
 from kvpool.serve.responses_api import create_response
 from kvpool.serve.responses_protocol import ResponsesRequest
+from kvpool.serve.retention_routes import install_retention
 from kvpool.serve.state import ServerState
 from kvpool.version import __version__
 
@@ -132,6 +133,8 @@ def build_app(state: ServerState, shutdown_timeout_s: float = 30.0,
         owned = None if tenant is None else tenant.owns
         evicted = await state.engine.call(lambda engine: engine.scheduler.kv.reset_prefix_cache(owned))
         return JSONResponse({"evicted_blocks": evicted, "scope": "server" if tenant is None else "tenant"})
+
+    install_retention(app, state)  # POST /v1/kv/pin, /v1/kv/unpin (same scope) and the retention metrics
 
     app.include_router(v1, dependencies=[Depends(keys.api_key)])
     app.include_router(tools, dependencies=[Depends(keys.api_key)])

@@ -86,6 +86,7 @@ class AsyncEngine:
     _draining: bool = False
     _ids: int = 0
     _busy: bool = False  # the engine thread has work (not asleep on the command queue)
+    _produced: bool = False  # the step running now has handed over outputs
     _beat: float = field(default_factory=time.monotonic)  # the last time it made progress or went idle
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -178,13 +179,16 @@ class AsyncEngine:
         params: SamplingParams,
         arrival_time: float,
         cache_salt: str | None = None,
+        received: float | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Queue one engine request per prompt, all or none, and return their outputs' stream.
 
         Raises InvalidRequest / Overloaded if the engine refuses (nothing stays queued then).
         The stream yields (prompt index, the output's delta) until every prompt finishes;
-        leaving it early (client gone) aborts whatever is unfinished.
+        leaving it early (client gone) aborts whatever is unfinished. `received`: when its HTTP
+        request began (the TTFT breakdown's start; `arrival_time` if unknown).
         """
+        submitted = time.monotonic()  # arrival to here: the front's work (validation, tokenization)
         if self._draining:
             raise ShuttingDown("the server is shutting down", retry_after_s=self.retry_after_s)
         if self.max_queue is not None and len(prompts) > self.max_queue:  # never admissible: no retry helps
@@ -200,10 +204,12 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self._commands.put(_Abort(ids))
             raise
-        return self._outputs(ids, sink)
+        return self._outputs(ids, sink, (arrival_time if received is None else received, submitted))
 
-    async def _outputs(self, ids: list[str], sink: asyncio.Queue) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _outputs(self, ids: list[str], sink: asyncio.Queue, front: tuple[float, float],
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         unfinished = set(range(len(ids)))
+        delivered: set[int] = set()  # prompts whose first token reached the client (TTFT breakdown)
         try:
             while unfinished:
                 backlog: dict[int, list[RequestOutput]] = {}
@@ -220,6 +226,10 @@ class AsyncEngine:
                     if out.finished:
                         unfinished.discard(index)
                     yield index, out
+                    # resumed: the caller has written what it made of `out` (a stream's chunk is sent)
+                    if index not in delivered and out.metrics.first_token_time is not None:
+                        delivered.add(index)
+                        self.metrics.observe_first_token(out.metrics, *front, time.monotonic())
         finally:
             if unfinished:
                 self._commands.put(_Abort([ids[i] for i in unfinished]))
@@ -309,13 +319,20 @@ class AsyncEngine:
         self._resolve(cmd.accepted, True, None)
 
     def _step(self) -> bool:
-        """One engine step; True if it produced outputs."""
+        """One engine step; True if it produced outputs. They are handed over as soon as the
+        engine has them (`Engine.step`'s `deliver`: before its store saves the step's blocks)."""
+        self._produced = False
         try:
-            outputs = self.engine.step()
+            self._hand_over(self.engine.step(self._hand_over))
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the server up
             logger.exception("engine step failed; aborting every request in flight")
             self._abort_all(f"engine error: {e}")
             return True
+        return self._produced
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        """Route a step's records to their requests' streams (engine thread)."""
+        self._produced = self._produced or bool(outputs)
         batch = []
         for out in outputs:
             route = self._routes.get(out.request_id)
@@ -332,7 +349,6 @@ class AsyncEngine:
                 self.metrics.observe_finished(out, list(route.generated.values()))
         if batch:
             self._loop.call_soon_threadsafe(_deliver, batch)
-        return bool(outputs)
 
     def _abort_all(self, reason: str, error: type[KVPoolError] = KVPoolError) -> None:
         batch = []

@@ -15,6 +15,7 @@ from kvpool.errors import InvalidRequest
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.serve.auth import request_salt
 from kvpool.serve.front import chat_choice, chat_delta, response_head, role_delta
+from kvpool.serve.http_metrics import received_s
 from kvpool.serve.protocol import ChatCompletionRequest, ChatMessage
 from kvpool.serve.responses import (
     Cursor,
@@ -26,6 +27,7 @@ from kvpool.serve.responses import (
     unless_disconnected,
     usage,
 )
+from kvpool.serve.retention_fields import chat_marks, chat_retention
 from kvpool.serve.sampling_map import compact_json
 from kvpool.serve.state import ServerState
 from kvpool.serve.tools import CallStream, ToolPlan
@@ -68,7 +70,8 @@ async def submit_chat(state: ServerState, req: ChatCompletionRequest, raw: Reque
                       arrival: float | None = None) -> ChatRun:
     """Validate, render and submit (shared by /v1/chat/completions and /v1/responses)."""
     arrival = time.monotonic() if arrival is None else arrival
-    req.check(state.vocab_size)
+    req.check()
+    marks = chat_marks(req.messages)
     lora = state.check_model(req.model)
     plan = ToolPlan.of(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_call_parser)
     ids = await state.off_loop(render_request, state.tokenizer, req, plan)
@@ -77,9 +80,13 @@ async def submit_chat(state: ServerState, req: ChatCompletionRequest, raw: Reque
         max_tokens = state.default_max_tokens(len(ids), req.n)
     params = plan.constrain(req.sampling_params(max_tokens, req.num_logprobs), compact_json(req))
     params.lora = lora
+    if marks:
+        kwargs = {**(req.chat_template_kwargs or {}), **({"tools": plan.template_tools} if plan.template_tools else {})}
+        params.retention = await state.off_loop(chat_retention, state.tokenizer, req.messages, marks, kwargs,
+                                                req.add_generation_prompt, req.add_special_tokens)
     rid = state.engine.new_request_id(prefix)
     salt = request_salt(raw, req.cache_salt, req.cache_scope)
-    stream = await state.engine.submit(rid, [ids], params, arrival, salt)
+    stream = await state.engine.submit(rid, [ids], params, arrival, salt, received_s(raw))
     return ChatRun(rid, plan, params, stream)
 
 

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from kvpool.engine.outputs import CompletionOutput, RequestOutput
 from kvpool.serve.auth import request_salt
 from kvpool.serve.front import completion_choice, response_head
+from kvpool.serve.http_metrics import received_s
 from kvpool.serve.protocol import CompletionRequest
 from kvpool.serve.responses import (
     Cursor,
@@ -25,24 +26,29 @@ from kvpool.serve.responses import (
     usage,
     vllm_prompt_logprobs,
 )
+from kvpool.serve.retention_fields import completion_retention
 from kvpool.serve.state import ServerState
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     arrival = time.monotonic()
-    req.check(state.vocab_size)
+    req.check()
     lora = state.check_model(req.model)
     tok = state.tokenizer
     prompts = req.prompt_list()
-    ids, texts = await state.off_loop(_encode, tok, prompts, req.echo, req.add_special_tokens)
+    if req.echo or any(isinstance(p, str) for p in prompts):
+        ids, texts = await state.off_loop(_encode, tok, prompts, req.echo, req.add_special_tokens)
+    else:  # token ids and no echo: nothing to tokenize, so no hop to the tokenizer threads and back
+        ids, texts = _encode(tok, prompts, False, req.add_special_tokens)
     max_tokens = req.max_tokens
     if max_tokens is None:
         max_tokens = state.default_max_tokens(max(len(p) for p in ids), req.n)
     params = req.sampling_params(max_tokens, req.logprobs, req.num_prompt_logprobs)
     params.lora = lora
+    params.retention = completion_retention(req.kvpool_retention, prompts, tok, req.add_special_tokens)
     rid = state.engine.new_request_id("cmpl")
     salt = request_salt(raw, req.cache_salt, req.cache_scope)
-    stream = await state.engine.submit(rid, ids, params, arrival, salt)
+    stream = await state.engine.submit(rid, ids, params, arrival, salt, received_s(raw))
     head = response_head(rid, int(time.time()), state.reported_model(req.model), system_fingerprint(state))
     if req.stream:
         chunks = _chunks(state, req, head, stream, texts)
@@ -81,8 +87,17 @@ def _encode(tok, prompts: list[str | list[int]], echo: bool, add_special_tokens:
             ) -> tuple[list[list[int]], list[str]]:
     """Token ids of every prompt, and the text `echo` shows (blocking: run it off the loop)."""
     ids = [tok.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p for p in prompts]
-    texts = [p if isinstance(p, str) else (tok.decode(p) if echo else "") for p in prompts]
+    texts = [p if isinstance(p, str) else (_echo_text(tok, p) if echo else "") for p in prompts]
     return ids, texts
+
+
+def _echo_text(tok, ids: list[int]) -> str:
+    """A token prompt's text for echo. Ids the tokenizer cannot hold (negative, past 2**32)
+    have none: the input processor refuses them by name when the request is submitted."""
+    try:
+        return tok.decode(ids)
+    except OverflowError:
+        return ""
 
 
 async def _chunks(

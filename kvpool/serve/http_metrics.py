@@ -61,6 +61,7 @@ class HTTPMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
+        scope.setdefault("state", {})["received_s"] = time.monotonic()  # the TTFT breakdown's start
         status = 500
 
         async def send_status(message) -> None:
@@ -75,3 +76,8 @@ class HTTPMetricsMiddleware:
             route = scope.get("route")
             handler = getattr(route, "path", None) or "none"
             self.metrics.observe(handler, scope.get("method", "GET"), status, time.perf_counter() - start)
+
+
+def received_s(request) -> float | None:
+    """When `HTTPMetricsMiddleware` saw the request begin (time.monotonic()), if it did."""
+    return request.scope.get("state", {}).get("received_s")

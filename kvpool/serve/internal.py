@@ -4,7 +4,8 @@
 registered / evicted in its device cache) after cursor N, as JSON with hex hashes; a cursor
 the log no longer covers (a new conductor, or one that fell behind) gets a snapshot of every
 block held instead. `POST /internal/generate` runs one token-id prompt and streams NDJSON
-lines with the new token ids and text, which is what a prefill/decode split needs.
+lines with the new token ids and text (and their logprobs and top-N, the prompt's logprobs on
+the first line, when asked), which is what a prefill/decode split needs.
 
 Both need the cluster key (`--cluster-key`, which the conductor sends); without one they need an
 API key like every other route. The conductor has already scoped `cache_salt` to the tenant, so
@@ -28,6 +29,7 @@ from kvpool.errors import InvalidRequest, Overloaded
 from kvpool.serve.errors import classify
 from kvpool.serve.protocol import CompletionRequest
 from kvpool.serve.responses import Cursor, kv_breakdown, system_fingerprint
+from kvpool.serve.retention_fields import completion_retention
 from kvpool.serve.state import ServerState
 
 ROLES = ("prefill", "decode", "both")
@@ -91,13 +93,14 @@ def build_internal_router(state: ServerState, role: str, kv_remote: str | None) 
 
     @router.post("/generate")
     async def generate(req: CompletionRequest, raw: Request) -> StreamingResponse:
-        req.check(state.vocab_size)
+        req.check()
         prompt = req.prompt_list()
-        if len(prompt) != 1 or not isinstance(prompt[0], list) or req.n != 1 or req.use_beam_search:
-            raise InvalidRequest("/internal/generate takes one token-id prompt, n=1, no beam search")
+        if len(prompt) != 1 or not isinstance(prompt[0], list) or req.n != 1 or req.use_beam_search or req.echo:
+            raise InvalidRequest("/internal/generate takes one token-id prompt, n=1, no beam search, no echo")
         if req.max_tokens is None:
             raise InvalidRequest("/internal/generate needs max_tokens", param="max_tokens")
-        params = req.sampling_params(req.max_tokens, None)
+        params = req.sampling_params(req.max_tokens, req.logprobs, req.prompt_logprobs)
+        params.retention = completion_retention(req.kvpool_retention, prompt, state.tokenizer, True)
         if role == "decode" and not await state.engine.call(
                 lambda e: e.decode_accepts(len(prompt[0]), params.max_tokens)):
             raise Overloaded("this decode instance cannot hold the request's KV now")  # the simulator's rule
@@ -109,10 +112,14 @@ def build_internal_router(state: ServerState, role: str, kv_remote: str | None) 
 
 
 async def _lines(stream: AsyncIterator) -> AsyncIterator[str]:
-    """One JSON line per engine delta: new token ids, new text, and the finish reason."""
+    """One JSON line per engine delta: new token ids, new text, the finish reason, and the new
+    tokens' logprobs and top-N when asked (JSON floats round-trip exactly)."""
     cursor = Cursor()
+    prompt: dict[str, Any] = {}  # the prompt's logprobs, from the request's first record
     try:
         async for _, out in stream:
+            if out.prompt_logprobs is not None and not prompt:
+                prompt = {"prompt_logprobs": out.prompt_logprobs, "prompt_top_logprobs": out.prompt_top_logprobs}
             if not out.outputs:
                 continue
             c = out.outputs[0]
@@ -121,8 +128,11 @@ async def _lines(stream: AsyncIterator) -> AsyncIterator[str]:
             line = {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "num_cached_tokens": out.num_cached_tokens,
                     "prompt_tokens": len(out.prompt_token_ids)}
-            if first == 0:  # the prompt's KV sources, for the conductor's usage
+            if c.logprobs is not None:
+                line["logprobs"], line["top_logprobs"] = c.logprobs, c.top_logprobs
+            if first == 0:  # the prompt's KV sources, for the conductor's usage; its logprobs
                 line["kv_breakdown"] = kv_breakdown([out])
+                line.update(prompt)
             yield json.dumps(line, ensure_ascii=False) + "\n"
     except Exception as e:  # noqa: BLE001 - the status line is already sent
         yield json.dumps(classify(e)[1]) + "\n"

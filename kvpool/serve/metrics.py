@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvpool.engine.outputs import RequestOutput
+from kvpool.engine.outputs import RequestMetrics, RequestOutput
 from kvpool.serve.http_metrics import HTTPMetrics, add_process_collectors
 from kvpool.serve.recorder import RequestRecorder
 
@@ -31,6 +31,12 @@ _N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 _PREEMPTION_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100)
+# a phase of the TTFT breakdown: finer than vLLM's latency buckets at the low end (a phase is often < 1 ms)
+_PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06,
+                  0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# where a request's time to first token goes, in order (docs/serving.md, Metrics)
+TTFT_PHASES = ("receive", "tokenize", "admit", "queue", "schedule", "prefill_compute", "sample", "postprocess", "detokenize",
+               "deliver")
 
 
 def _host_tier_usage(engine) -> float:
@@ -79,6 +85,7 @@ class KVStoreCollector:
         ("load_count", "loads", "Loads from the tier."),
         ("store_time_s", "store_seconds", "Time spent storing to the tier."),
         ("store_count", "stores", "Stores to the tier."),
+        ("pinned_evictions", "pinned_evictions", "Retained blocks the tier evicted because nothing else could go."),
     )
 
     def __init__(self, engine, model_name: str, prefix: str = "kvpool") -> None:
@@ -97,7 +104,11 @@ class KVStoreCollector:
                 fam.add_metric([self._model, tier], float(getattr(st, field)))
             yield fam
         for field, name, doc in (("used_bytes", "used_bytes", "Bytes the tier holds."),
-                                 ("capacity_bytes", "capacity_bytes", "The tier's byte budget.")):
+                                 ("capacity_bytes", "capacity_bytes", "The tier's byte budget."),
+                                 ("read_latency_s", "read_latency_seconds", "Online estimate of one read's fixed "
+                                  "cost, checks included (0: not measured); the load-or-recompute planner's input."),
+                                 ("read_bandwidth", "read_bandwidth_bytes", "Online estimate of the tier's read "
+                                  "bandwidth in bytes/s, checks included (0: not measured).")):
             fam = GaugeMetricFamily(f"{self._prefix}:kv_store_{name}", doc, labels=["model_name", "tier"])
             for tier, st in stats.items():
                 fam.add_metric([self._model, tier], float(getattr(st, field)))
@@ -151,8 +162,15 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _TOKEN_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time in the engine's waiting queue: taken by "
+                                    "the engine thread to first scheduled (vLLM's meaning).", _REQUEST_BUCKETS)
         self._add_request_metrics(histogram, counter, max_model_len)
+        breakdown = Histogram(f"{prefix}:ttft_breakdown_seconds", "A request's time to first token by phase: "
+                              "receive (its HTTP request read and parsed), tokenize (to submission), admit (to the engine thread taking it), queue (to "
+                              "its first step), schedule / prefill_compute / sample / postprocess / detokenize (the "
+                              "steps until its first token), deliver (to its first chunk written).",
+                              ["model_name", "phase"], buckets=_PHASE_BUCKETS, registry=r)
+        self._phases = [breakdown.labels(model_name, phase) for phase in TTFT_PHASES]
         self._add_vllm_extras(gauge, counter, histogram, max_model_len)
         self._kv_source = Counter(f"{prefix}:prompt_tokens_by_kv_source", "Prompt tokens of finished requests "
                                   "whose KV was reused, by where: device (prefix cache) or a store tier's name.",
@@ -296,7 +314,7 @@ class ServerMetrics:
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
         if m.first_scheduled_time is not None:
-            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            self.queue_time.observe(m.first_scheduled_time - (m.arrival_time if m.added_s is None else m.added_s))
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
         times = m.token_times
@@ -308,6 +326,17 @@ class ServerMetrics:
         reason = out.outputs[0].finish_reason if out.outputs else None
         self._success.labels(self._model, reason or "unknown").inc()
         self._observe_request(out, generated)
+
+    def observe_first_token(self, m: RequestMetrics, received: float, submitted: float, delivered: float) -> None:
+        """One request's TTFT breakdown, once its first token is written (event loop): `received`,
+        `submitted` and `delivered` are the front's instants, the rest its engine record's."""
+        p, added, first = m.phases, m.added_s, m.first_token_time
+        if p is None or added is None or first is None:
+            return
+        for hist, value in zip(self._phases, (
+                m.arrival_s - received, submitted - m.arrival_s, added - submitted, p.queued, p.schedule, p.prefill_compute, p.sample,
+                p.postprocess, p.detokenize, delivered - first), strict=True):
+            hist.observe(max(0.0, value))
 
     def _observe_request(self, out: RequestOutput, generated: list[int]) -> None:
         m = out.metrics

@@ -1,8 +1,10 @@
-"""Request bodies of the OpenAI-compatible API, validated completely before anything reaches
-the engine.
+"""Request bodies of the OpenAI-compatible API, checked as bodies before anything reaches the
+engine; what a request means for this model (token ids in its vocabulary, the context, the
+cache) is the input processor's to decide (`engine/input_processor.py`), for serve, the
+gateway and `LLM` alike.
 
 Types are strict (no bool as an int, no string as a number, finite floats only); `check()`
-adds what types cannot say: ranges of ids and seeds, no lone surrogates, chat-template
+adds what types cannot say: ranges of seeds and biases, no lone surrogates, chat-template
 kwargs that may not override the template's own inputs. Fields kvpool does not know are
 accepted and ignored (logged once per name per process, as vLLM does); fields it knows but
 does not implement are refused unless neutral (`kvpool.serve.unsupported`).
@@ -109,7 +111,7 @@ class _Sampling(_Body):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
-    def check(self, vocab_size: int | None = None) -> None:
+    def check(self) -> None:
         """Everything types cannot express; raises InvalidRequest naming the param. Also logs
         the ignored fields and refuses the unsupported ones."""
         extra = dict(self.model_extra or {})
@@ -118,11 +120,13 @@ class _Sampling(_Body):
         self.check_strings()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise InvalidRequest("stream_options.continuous_usage_stats is not implemented (usage comes in the "
+                                 "last chunk with include_usage)", param="stream_options.continuous_usage_stats")
         if self.seed is not None and not (self.seed >= 0 and self.seed + max(1, self.n) - 1 < SEED_LIMIT):
             raise InvalidRequest(f"seed must be in 0..2**64-n ({SEED_LIMIT - max(1, self.n)} for n={self.n}), "
                                  f"got {self.seed}", param="seed")
-        check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
-        control_params(self, vocab_size)
+        control_params(self)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -152,15 +156,14 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     add_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's: top-N logprobs of every prompt token
+    # keep prompt prefixes cached: an object or a list of them (serve/retention_fields.py)
+    kvpool_retention: dict[str, Any] | list[dict[str, Any]] | None = None
 
-    def check(self, vocab_size: int | None = None) -> None:
-        super().check(vocab_size)
+    def check(self) -> None:
+        super().check()
         prompts = self.prompt_list()
         if not prompts or any(not p for p in prompts):
             raise InvalidRequest("prompt is empty", param="prompt")
-        for p in prompts:
-            if isinstance(p, list):
-                check_token_ids(p, vocab_size, "prompt")
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -263,8 +266,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
-    def check(self, vocab_size: int | None = None) -> None:
-        super().check(vocab_size)
+    def check(self) -> None:
+        super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
         check_template_kwargs(self.chat_template_kwargs)
@@ -332,6 +335,8 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
     def check(self, vocab_size: int | None) -> None:
+        """Tokens of this vocabulary: /detokenize never reaches the engine, so the input
+        processor's check runs here."""
         note_ignored(sorted(self.model_extra or {}))
         self.check_strings()
         check_token_ids(self.tokens, vocab_size, "tokens")

@@ -3,9 +3,10 @@ bad_words, best_of, structured output) turned into SamplingParams fields, for co
 chat alike.
 
 Types are checked by the request models (strict pydantic); what is checked here is what the
-types cannot say: logit_bias keys that are token ids of this vocabulary with biases in
-[-100, 100] (OpenAI's range; refused rather than clamped), one output constraint per request,
-and best_of > n only without streaming (as vLLM: the best n are known only once all finish).
+types cannot say: logit_bias keys that are token ids with biases in [-100, 100] (OpenAI's
+range; refused rather than clamped), one output constraint per request, and best_of > n only
+without streaming (as vLLM: the best n are known only once all finish). Whether an id is in
+this model's vocabulary is the input processor's check (`engine/input_processor.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice",
            ("guided_grammar", "grammar"))
 
 
-def check_logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
+def check_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias: string token-id keys, biases in [-100, 100]."""
     if not bias:
         return None
@@ -31,9 +32,6 @@ def check_logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> d
         if not key.isascii() or not key.isdigit():
             raise InvalidRequest(f"logit_bias key {key[:32]!r} is not a token id", param="logit_bias")
         tok = int(key)
-        if vocab_size is not None and tok >= vocab_size:
-            raise InvalidRequest(f"logit_bias: token id {tok} is outside the vocabulary (0..{vocab_size - 1})",
-                                 param="logit_bias")
         if not -BIAS_LIMIT <= value <= BIAS_LIMIT:
             raise InvalidRequest(f"logit_bias for token {tok} must be in [-100, 100], got {value}",
                                  param="logit_bias")
@@ -111,7 +109,7 @@ def structured_outputs(req: Any) -> StructuredOutputs | None:
         raise InvalidRequest(f"{name}: {e}", param=name) from None
 
 
-def control_params(req: Any, vocab_size: int | None = None) -> dict[str, Any]:
+def control_params(req: Any) -> dict[str, Any]:
     """SamplingParams fields of the request's penalties, biases, bans, best_of and constraint."""
     if req.best_of is not None and req.best_of != req.n and req.stream:
         raise InvalidRequest("best_of > n cannot stream (the best n are known only when all finish)",
@@ -120,7 +118,7 @@ def control_params(req: Any, vocab_size: int | None = None) -> dict[str, Any]:
         "presence_penalty": 0.0 if req.presence_penalty is None else req.presence_penalty,
         "frequency_penalty": 0.0 if req.frequency_penalty is None else req.frequency_penalty,
         "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        "logit_bias": check_logit_bias(req.logit_bias, vocab_size),
+        "logit_bias": check_logit_bias(req.logit_bias),
         "bad_words": list(req.bad_words or []),
         "best_of": req.best_of,
         "structured_outputs": structured_outputs(req),
@@ -131,7 +129,7 @@ _NEUTRAL: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "repe
                             "response_format": {"type": "text"}}
 CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words",
                   "best_of", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs", "prompt_logprobs")
+                  "structured_outputs")
 
 
 def set_controls(req: Any) -> list[str]:

@@ -35,11 +35,12 @@ from kvpool.conductor.index import POOL
 from kvpool.conductor.predictor import CostModelPredictor, StepTimePredictor
 from kvpool.conductor.records import ConductorConfig, RouteRequest
 from kvpool.core.kv_manager import KVCacheManager
+from kvpool.core.receive import receive
 from kvpool.costs.cost_model import CostModel
 from kvpool.errors import ConfigError
 from kvpool.sched.instance_load import decode_accepts
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.instance import SimInstance, write_blocks
+from kvpool.sim.instance import SimInstance
 from kvpool.sim.metrics import RequestMetrics
 from kvpool.sim.tokens import BlockHasher, TokenSynth
 from kvpool.sim.workloads import SimRequest
@@ -302,7 +303,7 @@ class SimCluster:
         """Prefill done: the decode instance takes the request (KV transfer) or refuses it."""
         req = flight.req
         if self.pool is not None and flight.hashes:
-            write_blocks(self.pool, flight.hashes)
+            receive(self.pool, flight.hashes)
             ev = self.pool.drain_events()
             self.conductor.index.on_stored(POOL, ev.stored)
             self.conductor.index.on_evicted(POOL, ev.evicted)

@@ -32,8 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpool.core.hashing import BlockHash
-from kvpool.core.kv_groups import group_key
-from kvpool.core.kv_manager import KVCacheManager
+from kvpool.core.receive import receive
 from kvpool.costs.cost_model import CostModel, StepBatch
 from kvpool.errors import ConfigError
 from kvpool.sched.beam import beam_candidates
@@ -45,39 +44,11 @@ from kvpool.sched.request import SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.sim.metrics import RequestMetrics
+from kvpool.sim.sim_store import SimStore
 from kvpool.sim.tokens import BlockHasher, TokenSynth
 from kvpool.sim.workloads import SimRequest
 
 _MARKER_BASE = 1 << 48  # placeholder token ids, above any vocabulary
-_SEED_SEQ_ID = -1  # a sequence id the scheduler never hands out
-
-
-STORE_TIERS = ("host", "disk", "remote")
-
-
-@dataclass(slots=True)
-class SimStore:
-    """A KV store tier below the device cache (host DRAM, local disk or a remote pool): the
-    blocks it holds, by hash, in an LRU manager of its own. The scheduler plans loads from it
-    as it does from the engine's store (`external_kv` -> `KVLoad` -> `finish_kv_load`); a step
-    pays for the blocks it loads at the tier's cost (`StepBatch.blocks_from_<tier>`)."""
-
-    blocks: KVCacheManager
-    tier: str = "host"
-
-    def __post_init__(self) -> None:
-        if self.tier not in STORE_TIERS:
-            raise ConfigError(f"store tier must be one of {STORE_TIERS}, got {self.tier!r}")
-
-    def lookup(self, hashes: Sequence[BlockHash]) -> int:
-        """How many of `hashes`, from the first, the tier holds (the scheduler's ExternalLookup)."""
-        return len(self.blocks.match_prefix(hashes, len(hashes) * self.blocks.block_size + 1).block_ids)
-
-    def put(self, hashes: Sequence[BlockHash], num_layer_groups: int = 1) -> int:
-        """Store blocks (a save or a pool write); returns how many were written. A layer-grouped
-        model's store holds each group's copy of a block under its own key (`group_key`), as the
-        engine's does: `num_layer_groups` of them per hash."""
-        return write_blocks(self.blocks, [group_key(h, g) for g in range(num_layer_groups) for h in hashes])
 
 
 @dataclass(slots=True)
@@ -146,7 +117,7 @@ class SimInstance:
         """Queue `req` (arriving at `now`). `extra_prompt_tokens` lengthens the prompt by
         tokens generated elsewhere (a decode instance receiving a prefilled request)."""
         prompt_len = req.prompt_len + extra_prompt_tokens
-        seq = self.sched.new_sequence(itertools.repeat(next(self._markers), prompt_len))
+        seq = self.sched.new_sequence([next(self._markers)] * prompt_len)
         width = max(req.n, req.beam_width)
         params = SamplingParams(
             n=width, max_tokens=max_tokens or req.output_len, ignore_eos=True,
@@ -163,7 +134,7 @@ class SimInstance:
         """Write blocks received from elsewhere (a transfer or a pull) into the prefix cache."""
         if not self.sched.config.enable_prefix_caching:
             return 0
-        return write_blocks(self.sched.kv, hashes)
+        return receive(self.sched.kv, hashes)
 
     # -- the step ------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -231,15 +202,14 @@ class SimInstance:
             batch = self.sched.plain_decode()
             if batch is None:
                 return
-            cost = self._plain_decode_cost(len(batch.seqs))
-            lens = [len(seq.token_ids) for _, seq in batch.seqs]
+            cost = self._plain_decode_cost([len(seq.token_ids) for _, seq in batch.seqs])
             durations: list[float] = []
             ends: list[float] = []
             t = now
             for i in range(batch.steps):  # each step's cost depends only on its context lengths
                 if not first and t >= until:
                     break
-                duration = cost([n + i for n in lens])
+                duration = cost(i)
                 if duration == 0.0:
                     break
                 first = False
@@ -285,14 +255,17 @@ class SimInstance:
         c.generated_tokens = self.sched.num_generated_tokens
         return StepResult(sum(durations), batch_size=b, end=ends[-1], steps=k)
 
-    def _plain_decode_cost(self, batch_size: int) -> Callable[[list[int]], float]:
-        """Step time of a plain decode step from its context lengths: the cost model's own
-        shortcut when it has one (`RooflineCostModel.plain_decode_time`), else `step_time`."""
-        shortcut = getattr(self.cost_model, "plain_decode_time", None)
+    def _plain_decode_cost(self, lens: list[int]) -> Callable[[int], float]:
+        """Step i's time in a plain decode run from these context lengths (each i longer then):
+        the cost model's shortcut when it has one (`RooflineCostModel.plain_decode_time_of`, from
+        the batch size and the contexts' sum), else `step_time`."""
+        shortcut = getattr(self.cost_model, "plain_decode_time_of", None)
+        b = len(lens)
         if shortcut is not None:
-            return shortcut
-        ones = [1] * batch_size
-        return lambda context_lens: self.cost_model.step_time(StepBatch(ones, context_lens))
+            total = sum(lens)
+            return lambda i: shortcut(b, total + i * b)
+        ones = [1] * b
+        return lambda i: self.cost_model.step_time(StepBatch(ones, [n + i for n in lens]))
 
     def _decode_step(self, batch: DecodeBatch, duration: float, end: float) -> StepResult:
         """`step()` for a plain decode batch."""
@@ -349,20 +322,6 @@ class SimInstance:
     # -- views ---------------------------------------------------------------------------------
     def load(self) -> InstanceLoad:
         return load_report(self.sched)
-
-
-def write_blocks(kv: KVCacheManager, hashes: Sequence[BlockHash]) -> int:
-    """Register blocks received from elsewhere as cached, as a KV connector does after a
-    copy: allocate, commit, free. Returns blocks written (0 when memory is short: the
-    receiver then recomputes). Token ids are irrelevant: the hashes are given."""
-    n = len(hashes)
-    if n == 0 or n + 1 > kv.num_free_blocks:
-        return 0
-    tokens = range(n * kv.block_size + 1)  # only its length is read: every full block's hash is given
-    kv.allocate(_SEED_SEQ_ID, tokens, block_hashes=hashes)
-    kv.commit(_SEED_SEQ_ID, tokens, n * kv.block_size)
-    kv.free(_SEED_SEQ_ID)
-    return n
 
 
 @dataclass(slots=True)

@@ -13,7 +13,8 @@ atomic, so a crash never leaves half a block under a block's name, and it fails 
 exists, so nothing the tier did not write is ever replaced. The index (key -> size) is
 rebuilt by scanning the directory, so a restarted (even SIGKILLed) server keeps its cache;
 files are re-inserted oldest-modified first so the eviction order survives approximately,
-and temporary files of an interrupted write are removed.
+and temporary files of an interrupted write are removed. With `retention` (set by the store)
+eviction honours the device pool's pins, TTLs and priorities (retained.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from kvpool.core.policies import make_policy
 from kvpool.errors import ConfigError
 from kvpool.store.host import EvictCallback
+from kvpool.store.retained import TierRetention, take_victims
 from kvpool.store.tier import StoreKey, TierStats
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class DiskTier:
         self.path = Path(path) / SUBDIR
         self.on_evict: EvictCallback | None = None
         self.max_value_bytes: int | None = None
+        self.retention: TierRetention | None = None
         self._sizes: dict[StoreKey, int] = {}
         self._policy = make_policy(policy)
         self._lock = threading.Lock()
@@ -233,8 +236,11 @@ class DiskTier:
     def _make_room(self, size: int) -> list[tuple[StoreKey, bytes]]:
         """Evict until `size` more bytes fit; caller holds the lock."""
         evicted: list[tuple[StoreKey, bytes]] = []
-        while self._sizes and self._stats.used_bytes + size > self._stats.capacity_bytes:
-            victim = self._policy.pop_victim()
+        over = self._stats.used_bytes + size - self._stats.capacity_bytes
+        retained = None if over <= 0 or self.retention is None else self.retention.lookup()
+        victims, forced = take_victims(self._policy, over, self._sizes.__getitem__, retained)
+        self._stats.pinned_evictions += forced
+        for victim in victims:
             victim_size = self._sizes.pop(victim)
             if self.on_evict is not None:
                 data, _ = self._read(victim, victim_size)

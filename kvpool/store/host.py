@@ -1,7 +1,8 @@
 """Host DRAM tier: a byte-bounded dict of encoded blocks, evicted in eviction-policy order.
 
 Evicted blocks go to `on_evict(key, data)` so the store can demote them to a lower tier
-(write-back). Thread-safe: the store's async workers call it concurrently.
+(write-back). Thread-safe: the store's async workers call it concurrently. With `retention`
+(set by the store) eviction honours the device pool's pins, TTLs and priorities (retained.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 from kvpool.core.policies import make_policy
 from kvpool.errors import ConfigError
+from kvpool.store.retained import TierRetention, take_victims
 from kvpool.store.tier import StoreKey, TierStats
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,7 @@ class HostTier:
         self.name = name
         self.on_evict: EvictCallback | None = None
         self.max_value_bytes: int | None = None  # holds only what this process put
+        self.retention: TierRetention | None = None
         self._blocks: dict[StoreKey, bytes] = {}
         self._policy = make_policy(policy)
         self._lock = threading.Lock()
@@ -62,8 +65,11 @@ class HostTier:
             if len(data) > self._stats.capacity_bytes:
                 self._stats.failed_puts += 1
                 return False
-            while self._stats.used_bytes + len(data) > self._stats.capacity_bytes:
-                victim = self._policy.pop_victim()
+            over = self._stats.used_bytes + len(data) - self._stats.capacity_bytes
+            retained = None if over <= 0 or self.retention is None else self.retention.lookup()
+            victims, forced = take_victims(self._policy, over, lambda k: len(self._blocks[k]), retained)
+            self._stats.pinned_evictions += forced
+            for victim in victims:
                 old = self._blocks.pop(victim)
                 self._stats.used_bytes -= len(old)
                 self._stats.evictions += 1

@@ -14,12 +14,21 @@ Nothing a tier holds can break a request: `lookup` and `load` never raise. A val
 fails to decode (truncated, bit-flipped, another model's, another block's, an old format)
 is a miss, counted by reason in that tier's `bad_entries`, and deleted from the tier that
 served it; a tier that raises is counted as an error and skipped.
+
+Every read that returns bytes updates that tier's online read estimate (seconds against bytes:
+the read and its checks, what a load costs the engine; `read_costs`), which the load-or-recompute
+planner prices a hit with (kvpool/core/load_plan.py).
+
+`follow_retention` points the host and disk tiers at the device pool's retention table, so their
+eviction keeps pinned / TTL'd / high-priority blocks longest, as the device's does (retained.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -27,6 +36,8 @@ import numpy as np
 
 from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_groups import GROUP_TAG_BYTES
+from kvpool.core.load_plan import LinearEstimate, ReadCost
+from kvpool.core.retention import RetentionTable
 from kvpool.errors import ConfigError
 from kvpool.store.codec import BY_ID, get_codec, scheme
 from kvpool.store.format import (
@@ -39,6 +50,7 @@ from kvpool.store.format import (
     encode_block,
     max_encoded_size,
 )
+from kvpool.store.retained import TierRetention
 from kvpool.store.tier import StoreKey, Tier, TierStats
 
 log = logging.getLogger(__name__)
@@ -105,6 +117,9 @@ class TieredKVStore:
         limit = max_encoded_size(namespace, bytes(16 + GROUP_TAG_BYTES), self.block_shape, self.dtype)
         for tier in self.tiers:
             tier.max_value_bytes = limit
+        self._reads = {name: LinearEstimate() for name in names}
+        self._read_at: dict[str, float] = {}  # tier -> time.monotonic() of its last measured read
+        self._read_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore")
         self._pending: set[Future[bool]] = set()
         if write_policy == "write-back":
@@ -117,6 +132,14 @@ class TieredKVStore:
         tier's keys name its quantization."""
         quant = self._scheme[tier] if tier is not None else "exact"
         return self._prefix + ("" if quant == "exact" else quant + ":") + block_hash.hex()
+
+    def follow_retention(self, source: Callable[[], RetentionTable | None]) -> None:
+        """Evict in the tiers that evict for themselves (host, disk) by the retentions of the
+        table `source()` returns (the device pool's; None while nothing was retained). The table
+        is read, never written, from the store's workers."""
+        for tier in self.tiers:
+            if hasattr(tier, "retention"):
+                tier.retention = TierRetention(source, self._prefix)
 
     def lookup(self, hashes: Sequence[BlockHash]) -> tuple[int, list[str]]:
         """Longest run of present blocks from the first, and the fastest tier holding each."""
@@ -153,6 +176,7 @@ class TieredKVStore:
     def _load_one(self, block_hash: BlockHash, deferred: bool = False) -> np.ndarray | CheckedBlock | None:
         for i, tier in enumerate(self.tiers):
             key = self.key(block_hash, tier.name)
+            start = time.monotonic()
             data = self._guard(tier, "get", tier.get, key)
             if data is None:
                 continue
@@ -160,6 +184,7 @@ class TieredKVStore:
                 checked = check_block(data, self.namespace, self.block_shape, self.dtype, block_hash,
                                       self._scheme[tier.name])
                 block = checked if deferred and checked.deferrable else checked.array()
+                self._measured(tier.name, len(data), start)
             except CorruptBlock as exc:
                 log.warning("tier %s: dropping unreadable block %s (%s): %s", tier.name, key, exc.reason, exc)
                 bad = self._bad[tier.name]
@@ -176,6 +201,24 @@ class TieredKVStore:
                 self._move(self.tiers[0], block_hash, block, data)
             return block
         return None
+
+    def _measured(self, tier: str, nbytes: int, start: float) -> None:
+        now = time.monotonic()
+        with self._read_lock:
+            self._reads[tier].update(float(nbytes), now - start)
+            self._read_at[tier] = now
+
+    def read_costs(self, max_age_s: float | None = None) -> dict[str, ReadCost]:
+        """Each tier's read cost as measured lately; a tier never read (or, with `max_age_s`, not
+        read for that long: a slow tier the planner stopped reading gets a fresh try) is left out."""
+        now = time.monotonic()
+        with self._read_lock:
+            out = {}
+            for name, est in self._reads.items():
+                cost = est.read_cost()
+                if cost is not None and (max_age_s is None or now - self._read_at[name] <= max_age_s):
+                    out[name] = cost
+            return out
 
     def save(self, block_hash: BlockHash, block: np.ndarray) -> bool:
         """Store one block (`block_shape`, `dtype`); True if at least one tier kept it."""
@@ -219,6 +262,10 @@ class TieredKVStore:
             for reason, n in self._bad[tier.name].items():
                 snap.bad_entries[reason] = snap.bad_entries.get(reason, 0) + n
             snap.errors += self._raised[tier.name]
+            with self._read_lock:
+                cost = self._reads[tier.name].read_cost()
+            if cost is not None:
+                snap.read_latency_s, snap.read_bandwidth = cost.latency_s, min(cost.bandwidth, 1e15)
             out[tier.name] = snap
         return out
 

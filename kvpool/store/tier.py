@@ -34,12 +34,15 @@ class TierStats:
     puts: int = 0
     failed_puts: int = 0
     evictions: int = 0
+    pinned_evictions: int = 0  # of those, blocks holding a live retention (nothing else could go)
     errors: int = 0
     lossy_loads: int = 0  # blocks served quantized (a lossy codec's), counted by the store
     load_time_s: float = 0.0
     load_count: int = 0
     store_time_s: float = 0.0
     store_count: int = 0
+    read_latency_s: float = 0.0  # the store's online estimate of one read's fixed cost (0: none yet)
+    read_bandwidth: float = 0.0  # ... and of its bytes per second, check included (0: none yet)
     bad_entries: dict[str, int] = dataclasses.field(default_factory=dict)  # reason -> entries met
 
     def snapshot(self) -> TierStats:

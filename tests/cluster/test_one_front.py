@@ -1,6 +1,6 @@
 """One OpenAI front: the same requests sent to a `kvpool serve` instance and to the conductor in
 front of it get the same status and the same body (errors whole; responses in shape, text,
-usage and defaults). A colocated cluster of one instance, no pool: one model load."""
+logprobs, usage and defaults). A colocated cluster of one instance, no pool: one model load."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ INSTANCE_ARGS = ["--dtype", "float32", "--num-blocks", "256", "--max-model-len",
                  "--threads", "1"]
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
+# (route, extra body): plain, and with every logprobs field the conductor relays
+LOGPROBS = {"/v1/completions": {"logprobs": 2, "prompt_logprobs": 1}, "/v1/chat/completions": {
+    "logprobs": True, "top_logprobs": 2}}
+CASES = [(route, extra) for route in LOGPROBS for extra in ({}, LOGPROBS[route])]
+CASE_IDS = [f"{route}-{'logprobs' if extra else 'plain'}" for route, extra in CASES]
 
 # (route, body): each refused the same way by both servers
 BAD = [
@@ -72,18 +77,22 @@ def test_a_bad_request_gets_the_same_error_from_serve_and_the_conductor(cluster,
     assert (routed.status_code, routed.json()) == (served.status_code, served.json())
 
 
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-def test_a_whole_response_is_the_same_through_either(cluster, route):
-    body = {"max_tokens": 8, "temperature": 0, **({"prompt": PROMPT} if "chat" not in route else
-                                                  {"messages": MESSAGES})}
+@pytest.mark.parametrize(("route", "extra"), CASES, ids=CASE_IDS)
+def test_a_whole_response_is_the_same_through_either(cluster, route, extra):
+    body = {"max_tokens": 8, "temperature": 0, **extra, **({"prompt": PROMPT} if "chat" not in route else
+                                                            {"messages": MESSAGES})}
     served, routed = _both(cluster, route, body)
     assert served.status_code == routed.status_code == 200, routed.text
-    assert _without_ids(routed.json()) == _without_ids(served.json())  # text, usage, fingerprint, model
+    assert _without_ids(routed.json()) == _without_ids(served.json())  # text, logprobs, usage, fingerprint, model
+    logprobs = served.json()["choices"][0]["logprobs"]
+    assert (logprobs is not None) == bool(extra)
+    if "prompt_logprobs" in extra:
+        assert len(routed.json()["choices"][0]["prompt_logprobs"]) == served.json()["usage"]["prompt_tokens"]
 
 
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-def test_a_stream_is_the_same_through_either(cluster, route):
-    body = {"max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+@pytest.mark.parametrize(("route", "extra"), CASES, ids=CASE_IDS)
+def test_a_stream_is_the_same_through_either(cluster, route, extra):
+    body = {"max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra,
             **({"prompt": PROMPT} if "chat" not in route else {"messages": MESSAGES})}
     answers = []
     instance = cluster.urls("both")[0]
@@ -96,9 +105,20 @@ def test_a_stream_is_the_same_through_either(cluster, route):
         text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for ch in chunks
                        for c in ch["choices"])
         finish = [c["finish_reason"] for ch in chunks for c in ch["choices"] if c["finish_reason"]]
+        logprobs = [(c["logprobs"], c.get("prompt_logprobs")) for ch in chunks for c in ch["choices"]]
         answers.append((text, finish, chunks[-1]["usage"], _shape(_without_ids(chunks[0])),
-                        {_without_ids(ch)["model"] for ch in chunks}))
+                        {_without_ids(ch)["model"] for ch in chunks}, logprobs))
     assert answers[2] == answers[1]
+    assert any(lp is not None for lp, _ in answers[2][-1]) == bool(extra)
+
+
+def test_echo_is_refused_by_name_through_the_conductor(cluster):
+    """The conductor does not relay echo (docs/cluster.md): a 400 naming it, where the instance
+    echoes the prompt."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "echo": True}
+    served, routed = _both(cluster, "/v1/completions", body)
+    assert served.status_code == 200 and served.json()["choices"][0]["text"].startswith(PROMPT)
+    assert routed.status_code == 400 and routed.json()["error"]["param"] == "echo"
 
 
 def test_the_default_max_tokens_is_the_rest_of_the_context_through_either(cluster):

@@ -15,9 +15,15 @@ from kvpool.bench.determinism import greedy, random_prompts, serve, serve_beside
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
 from kvpool.engine.kernels import batch_invariant, q4_lanes_available
+from kvpool.engine.layers.linear import (
+    PackedLinear,
+    Q4Linear,
+    Q8Linear,
+    can_pack_weights,
+    row_bucket,
+)
 from kvpool.engine.loader import load_model
-from kvpool.engine.models.llama import PackedLinear, can_pack_weights, row_bucket
-from kvpool.engine.models.quantized import Q4Linear, Q8Linear, lanes_groups, q4_groups, q8_groups
+from kvpool.engine.models.quantized import lanes_groups, q4_groups, q8_groups
 
 pytestmark = pytest.mark.skipif(not batch_invariant(), reason="KVPOOL_BATCH_INVARIANT=0")
 needs_lanes = pytest.mark.skipif(not q4_lanes_available(), reason="no AVX512-BF16 lanes kernels on this CPU")

@@ -24,9 +24,11 @@ def test_auto_picks_bf16_only_on_cpus_with_bf16_units(monkeypatch, caplog, flags
         assert flags[0] in caplog.text
 
 
-def test_auto_is_fp32_on_cuda(monkeypatch):
-    monkeypatch.setattr(config, "cpu_bf16_flags", lambda: ("amx_bf16",))
-    assert EngineConfig(device="cuda").dtype == "float32"
+@pytest.mark.parametrize("bf16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_on_cuda_is_bf16_where_the_gpu_has_it(monkeypatch, bf16, expected):
+    monkeypatch.setattr(config, "cpu_bf16_flags", lambda: ())  # the host's CPU does not decide
+    monkeypatch.setattr(config, "_cuda_bf16", lambda: bf16)
+    assert EngineConfig(device="cuda").dtype == expected
 
 
 def test_explicit_dtypes_are_kept_and_bad_ones_refused(monkeypatch):

@@ -1,7 +1,7 @@
 """#27 acceptance: a request's greedy tokens and logprobs are the cold run's bits (`==` on floats)
 whether its prompt KV came from another request's prefix hit, a store tier (host DRAM, disk,
 Redis, Mooncake Store), recompute or swap preemption; for the bundled model and a Gemma-3-like
-layer-grouped model with sliding windows, with the default KV dtype and int8 KV, in bfloat16
+layer-grouped model with sliding windows, with the default KV dtype, int8 and fp8 KV, in bfloat16
 and float32 (docs/determinism.md)."""
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_int8_kv_on_the_bundled_model_gives_the_cold_runs_bits_on_every_path(bun
     _every_path(loaded, dtype, targets, crowd, 16, kv_cache_dtype="int8")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_sliding_window_model_gives_the_cold_runs_bits_on_every_path(gemma3_dir, dtype, kv_cache_dtype):
     """Gemma-3-like: full and windowed layer groups, prompts longer than the window, window blocks

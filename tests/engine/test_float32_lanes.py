@@ -10,12 +10,10 @@ import torch
 from test_batch_invariance import _exact_weight
 
 from kvpool.engine.kernels import batch_invariant, q4_lanes_available
-from kvpool.engine.models.llama import PackedLinear, can_pack_weights
+from kvpool.engine.layers.linear import PackedLinear, Q4Linear, Q8Linear, can_pack_weights
 from kvpool.engine.models.quantized import (
     LANES_HEAD_MAX_ROWS_F32,
     LANES_MAX_ROWS_F32,
-    Q4Linear,
-    Q8Linear,
     lanes_groups,
     q4_groups,
     q8_groups,
@@ -82,5 +80,5 @@ def test_float32_model_decodes_on_lanes_kernels_in_the_native_loop():
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     assert all(type(p) is Q4Linear and p.groups[0].dim() == 4 for p in projs)
     assert model.q4_rows == LANES_MAX_ROWS_F32
-    assert isinstance(model._packed_head, Q8Linear) and model._packed_head.max_rows == LANES_HEAD_MAX_ROWS_F32
-    assert (model._loop is not None) == decode_loop_available()
+    assert isinstance(model.head, Q8Linear) and model.head.max_rows == LANES_HEAD_MAX_ROWS_F32
+    assert (model.decode_loop is not None) == decode_loop_available()

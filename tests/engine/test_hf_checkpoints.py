@@ -17,9 +17,9 @@ from test_architectures import PROMPTS, _hf_greedy, _tokenizer_json, hf_model
 from kvpool.engine import loader
 from kvpool.engine.config import KV_AUTO_CONTEXTS, KV_AUTO_MIN, EngineConfig, kv_budget
 from kvpool.engine.engine import Engine
+from kvpool.engine.layers.linear import Q4Linear, Q8Linear
 from kvpool.engine.models import hf_weights, quantized
 from kvpool.engine.models.hf_config import hf_config_to_model_config
-from kvpool.engine.models.quantized import Q4Linear, Q8Linear
 from kvpool.errors import ConfigError
 from kvpool.sched.sampling_params import SamplingParams
 

@@ -133,8 +133,8 @@ def test_config_reports_smollm2_shape_and_kv_size(loaded):
 
 def test_packed_cpu_weights_give_the_same_logits_and_greedy_tokens():
     """The oneDNN-packed projections the engine uses on CPU match the plain model."""
+    from kvpool.engine.layers.linear import can_pack_weights
     from kvpool.engine.loader import load_model
-    from kvpool.engine.models.llama import can_pack_weights
 
     if not can_pack_weights("cpu", torch.float32):
         pytest.skip("this torch build has no oneDNN weight packing")
@@ -148,7 +148,7 @@ def test_packed_cpu_weights_give_the_same_logits_and_greedy_tokens():
 
 
 def test_packed_rows_are_padded_to_few_shapes_and_sliced_back():
-    from kvpool.engine.models.llama import PackedLinear, row_bucket
+    from kvpool.engine.layers.linear import PackedLinear, row_bucket
 
     assert len({row_bucket(r) for r in range(1, 2305)}) < 80
     assert all(r <= row_bucket(r) <= r + max(7, r // 8) for r in range(1, 2305))

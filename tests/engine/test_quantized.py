@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from kvpool.engine.kernels import q4_amx_available, q4_linear_available
+from kvpool.engine.layers.linear import Q4Linear, Q8Linear
 from kvpool.engine.models import quantized
 from kvpool.engine.models.quantized import (
     MAX_ROWS,
-    Q4Linear,
-    Q8Linear,
     q4_groups,
     q8_groups,
     row_limits,
@@ -24,9 +23,9 @@ needs_amx = pytest.mark.skipif(not q4_amx_available(), reason="no AMX here (or t
 def per_row_count_kernels(monkeypatch):
     """These tests cover the per-row-count kernels (KVPOOL_BATCH_INVARIANT=0); the invariant
     path has its own tests (test_batch_invariance.py)."""
-    from kvpool.engine.models import llama
+    from kvpool.engine.layers import packing
 
-    monkeypatch.setattr(llama, "batch_invariant", lambda: False)
+    monkeypatch.setattr(packing, "batch_invariant", lambda: False)
 
 
 def q4_1_weight(n: int, k: int, seed: int = 0, top: int = 15) -> torch.Tensor:
@@ -79,7 +78,7 @@ def test_q4_linear_serves_small_batches_from_4bits_and_large_ones_dense():
         calls.append(x.shape[0])
         return x @ w.T + bias
 
-    lin = Q4Linear(dense, q4_groups(w), bias)
+    lin = Q4Linear(dense, q4_groups(w), bias, MAX_ROWS)
     for rows in (1, MAX_ROWS, MAX_ROWS + 1, 100):
         x = torch.randn(rows, 64)
         assert torch.allclose(lin(x), x @ w.T + bias, atol=1e-5)
@@ -98,7 +97,7 @@ def test_decode_steps_on_4bit_projections_match_the_float_model(plain_loaded):
     q4.model.pack_cpu_weights(q4_kernels=True)
     layer = q4.model.layers[0]
     assert all(isinstance(m, Q4Linear) for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
-    assert isinstance(q4.model._packed_head, Q8Linear)  # the tied head from its Q8_0 groups
+    assert isinstance(q4.model.head, Q8Linear)  # the tied head from its Q8_0 groups
     for prompt in PROMPTS[:4]:
         ids = plain_loaded.tokenizer.encode(prompt)
         ref, ours = PagedSequence(plain_loaded), PagedSequence(q4)
@@ -235,12 +234,12 @@ def test_q8_kernel_on_float32_rows_multiplies_by_the_exact_weights(rows):
 
 @pytest.fixture(scope="module")
 def bf16_q4():
+    from kvpool.engine.layers import packing
     from kvpool.engine.loader import load_model
-    from kvpool.engine.models import llama
 
     loaded = load_model(None, dtype=torch.bfloat16)
     with pytest.MonkeyPatch.context() as patch:  # built before the per-test patch: the same kernels
-        patch.setattr(llama, "batch_invariant", lambda: False)
+        patch.setattr(packing, "batch_invariant", lambda: False)
         loaded.model.pack_cpu_weights(q4_kernels=True)
     return loaded
 
@@ -266,7 +265,7 @@ def test_bf16_model_serves_decode_from_4bit_projections_and_an_8bit_head(bf16_q4
     layer = model.layers[0]
     assert all(isinstance(m, Q4Linear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj))
-    assert isinstance(model._packed_head, Q8Linear)
+    assert isinstance(model.head, Q8Linear)
     agree = total = 0
     worst = 0.0
     for prompt in PROMPTS[:3]:

@@ -7,6 +7,7 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
+from kvpool.engine.input_processor import InputLimits, InputProcessor
 from kvpool.errors import ConfigError, InvalidRequest
 from kvpool.serve.auth import KeyRing, add_auth_arguments, effective_salt, keyring_from_args
 from kvpool.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -52,7 +53,7 @@ def test_keys_file_and_flags(tmp_path):
 def test_neutral_unknown_or_implemented_fields_are_accepted(extra):
     for req in (CompletionRequest(prompt="hi", **extra),
                 ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **extra)):
-        req.check(100)
+        req.check()
         req.sampling_params(4, None)
 
 
@@ -60,7 +61,7 @@ def test_controls_map_onto_sampling_params():
     req = CompletionRequest(prompt="hi", presence_penalty=0.5, logit_bias={"7": -100}, bad_words=["no"], best_of=3,
                             response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
                             echo=True, logprobs=2, max_tokens=0)
-    req.check(100)
+    req.check()
     p = req.sampling_params(0, req.logprobs, req.num_prompt_logprobs)
     assert (p.presence_penalty, p.logit_bias, p.bad_words, p.best_of) == (0.5, {7: -100.0}, ["no"], 3)
     assert p.structured_outputs.json == {"type": "object"} and p.prompt_logprobs == 2
@@ -86,10 +87,12 @@ def test_controls_map_onto_sampling_params():
     ({"seed": -1}, "seed"), ({"seed": 2**64 - 2, "n": 3}, "seed"), ({"stop_token_ids": [100]}, "stop_token_ids"),
 ])
 def test_unsupported_or_out_of_range_values_are_refused_by_name(extra, param):
+    """By the body's checks, or (ids outside a vocabulary of 100) by the input processor."""
     req = CompletionRequest(prompt="hi", **extra)
     with pytest.raises(InvalidRequest) as e:
-        req.check(100)
-        req.sampling_params(4, None, req.num_prompt_logprobs)
+        req.check()
+        params = req.sampling_params(4, None, req.num_prompt_logprobs)
+        InputProcessor(None, InputLimits(vocab_size=100)).check_params(params)
     assert e.value.param == param
 
 
@@ -98,7 +101,7 @@ def test_unsupported_or_out_of_range_values_are_refused_by_name(extra, param):
 ])
 def test_chat_refuses_what_only_completions_implement(extra, param):
     with pytest.raises(InvalidRequest) as e:
-        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **extra).check(100)
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **extra).check()
     assert e.value.param == param
 
 
@@ -120,4 +123,4 @@ def test_set_controls_names_what_a_relay_would_drop():
     assert names(presence_penalty=0, repetition_penalty=1.0, logit_bias={}, best_of=1,
                  response_format={"type": "text"}, guided_json=None) == []
     assert names(frequency_penalty=0.5, best_of=2, guided_regex="a", prompt_logprobs=0) == [
-        "frequency_penalty", "best_of", "guided_regex", "prompt_logprobs"]
+        "frequency_penalty", "best_of", "guided_regex"]  # the conductor relays prompt_logprobs

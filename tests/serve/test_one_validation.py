@@ -17,6 +17,7 @@ BIG = 10**7  # no vocabulary's token id
 BAD = [
     ({"prompt": [1, 2, 3], "max_tokens": 600}, {"max_tokens": 600}),  # over the context of 512
     ({"prompt": [1, 2, BIG], "max_tokens": 4}, {"max_tokens": 4}),
+    ({"prompt": [1, -1], "max_tokens": 4, "echo": True}, {"max_tokens": 4}),  # no text to echo: refused, not a 500
     ({"prompt": [1, 2], "max_tokens": 4, "stop_token_ids": [BIG]}, {"max_tokens": 4, "stop_token_ids": [BIG]}),
     ({"prompt": [1, 2], "max_tokens": 4, "logit_bias": {str(BIG): 1.0}}, {"max_tokens": 4, "logit_bias": {BIG: 1.0}}),
     ({"prompt": [1, 2], "top_p": 0.0}, {"top_p": 0.0}),

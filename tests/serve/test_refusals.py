@@ -86,3 +86,18 @@ def test_more_samples_than_one_batch_holds_is_refused_by_name(fields, param):
     with pytest.raises(InvalidRequest, match="max_num_seqs") as e:
         inputs.check_fits(2, params)
     assert e.value.param == param and not sched.waiting and not sched.groups
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_continuous_usage_stats_is_refused_by_name_not_ignored(continuous):
+    from kvpool.errors import InvalidRequest
+    from kvpool.serve.protocol import CompletionRequest
+
+    body = CompletionRequest.model_validate({"prompt": "hi", "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": continuous}})
+    if not continuous:
+        body.check()
+        return
+    with pytest.raises(InvalidRequest) as e:
+        body.check()
+    assert e.value.param == "stream_options.continuous_usage_stats"

@@ -17,7 +17,9 @@ from conftest import start_server
 
 @pytest.fixture(scope="module")
 def small_server():
-    s = start_server("--max-queue", "1", "--max-num-seqs", "2", "--shutdown-timeout", "15")
+    # room for a 4000-token stream, which a 5 s drain cannot finish (1.25 ms a step; a CPU takes 5-50)
+    s = start_server("--max-queue", "1", "--max-num-seqs", "2", "--shutdown-timeout", "5",
+                     "--max-model-len", "4096", "--num-blocks", "512")
     yield s
     s.stop()
 
@@ -53,10 +55,10 @@ def _stream(url: str, max_tokens: int, chunks: list[str], started: threading.Eve
 
 def test_sigterm_drains_with_503_then_cuts_what_is_left_with_an_error_event(small_server):
     short: list[str] = []
-    long: list[str] = []  # 1000 tokens take far longer than the 15 s drain on a CPU
+    long: list[str] = []  # cut by the drain (see the fixture)
     events = [threading.Event(), threading.Event()]
     threads = [threading.Thread(target=_stream, args=(small_server.url, n, out, e))
-               for n, out, e in ((6, short, events[0]), (1000, long, events[1]))]
+               for n, out, e in ((6, short, events[0]), (4000, long, events[1]))]
     for t, e in zip(threads, events, strict=True):  # one after the other: --max-queue 1 holds one waiting
         t.start()
         assert e.wait(60)

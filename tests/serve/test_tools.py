@@ -37,7 +37,7 @@ ASK = [{"role": "user", "content": "What is the weather in Rome?"}]
 # -- the hermes parser and the plan, on strings -------------------------------------------------
 def _plan(choice="auto", parallel=True, parser="hermes") -> ToolPlan:
     req = ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel)
-    req.check(100)
+    req.check()
     return ToolPlan.of(req.tools, req.tool_choice, req.parallel_tool_calls, parser)
 
 
@@ -118,7 +118,7 @@ def test_named_plan_forces_the_function_schema_and_keeps_stop():
 ])
 def test_tool_fields_are_checked_by_name(body, param):
     with pytest.raises(InvalidRequest) as e:
-        ChatCompletionRequest(messages=ASK, **body).check(100)
+        ChatCompletionRequest(messages=ASK, **body).check()
     assert e.value.param == param
 
 

@@ -12,7 +12,8 @@ from kvpool.costs.cost_model import (
 )
 from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.instance import SimInstance, SimStore, run_instance
+from kvpool.sim.instance import SimInstance, run_instance
+from kvpool.sim.sim_store import SimStore
 from kvpool.sim.workloads import SimRequest, WorkloadSpec, synthetic_workload
 
 

@@ -7,7 +7,8 @@ from kvpool.core.kv_manager import KVCacheManager
 from kvpool.costs.presets import get_model
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.experiments.base import roofline
-from kvpool.sim.instance import SimInstance, SimStore, run_instance
+from kvpool.sim.instance import SimInstance, run_instance
+from kvpool.sim.sim_store import SimStore
 from kvpool.sim.workloads import SimRequest
 
 BLOCK = 16

@@ -39,3 +39,24 @@ def test_blocks_served_through_a_lossy_codec_are_exported_by_tier(tmp_path):
     registry = CollectorRegistry()
     registry.register(KVStoreCollector(engine, "m"))
     assert 'kvpool:kv_store_lossy_loads_total{model_name="m",tier="disk"} 2.0' in generate_latest(registry).decode()
+
+
+def test_retained_blocks_a_tier_had_to_evict_are_exported_by_tier():
+    import math
+
+    from kvpool.core.retention import Retention, RetentionTable
+    from kvpool.store.host import HostTier
+
+    one = TieredKVStore([HostTier(1 << 20)], NAMESPACE, SHAPE, DTYPE)
+    one.save(HASHES[0], make_block(0))
+    store = TieredKVStore([HostTier(2 * one.stats()["host"].used_bytes)], NAMESPACE, SHAPE, DTYPE)
+    table = RetentionTable()
+    store.follow_retention(lambda: table)
+    hashes = hash_blocks(list(range(16)), block_size=4, namespace="pinned")
+    table.retain(hashes, Retention(math.inf))
+    for i, block_hash in enumerate(hashes):  # every block pinned, room for two: two pinned victims
+        store.save(block_hash, make_block(i))
+    engine = SimpleNamespace(kv_store=SimpleNamespace(store=store), scheduler=SimpleNamespace(num_external_hit_tokens=0))
+    registry = CollectorRegistry()
+    registry.register(KVStoreCollector(engine, "m"))
+    assert 'kvpool:kv_store_pinned_evictions_total{model_name="m",tier="host"} 2.0' in generate_latest(registry).decode()

@@ -75,7 +75,7 @@ def quantize_model(model: nn.Module, kind: str) -> dict[str, tuple[Tensor, ...]]
     with torch.no_grad():
         for i, layer in enumerate(model.layers):
             for part, owner in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
-                for proj in ("qkv_proj", "o_proj") if part == "self_attn" else ("gate_up_proj", "down_proj"):
+                for proj in owner.PROJECTIONS:
                     weight = getattr(owner, proj).weight
                     name = f"layers.{i}.{part}.{proj}"
                     if weight.shape[1] % GROUP:

@@ -7,7 +7,9 @@ from its groups only when `d * q + m` (Q4_1) or `d * q` (Q8_0), in float32 as th
 float copy was made, reproduces every weight exactly. Under bfloat16 the kernel rounds each
 such weight to bfloat16 as the dense bf16 copy was rounded, so in either dtype results change
 by summation order alone. A bf16 model has no float32 weights left to check, so the loader
-recovers the groups before it casts (`model_groups`)."""
+recovers the groups before it casts (`model_groups`). The layers that serve them are
+`engine/layers/linear.py`'s `Q4Linear` and `Q8Linear`; this module finds and checks the groups
+and the row limits of their kernels."""
 
 from __future__ import annotations
 
@@ -189,48 +191,3 @@ def lanes_groups(
             _kblock_by_shape[key] = block
             return packed
     return None
-
-
-class Q4Linear(nn.Module):
-    """A frozen Linear with two copies of its weight: 4-bit groups for batches of at most
-    `max_rows` rows (weight-bandwidth bound), the dense module for larger ones. Batches of up
-    to `vector_rows` (default: all of them) run the vector kernel, float32 or bfloat16, larger
-    ones the AMX kernel (bfloat16). Results come back in the activations' dtype."""
-
-    def __init__(
-        self,
-        dense: nn.Module,
-        groups: tuple[Tensor, ...],
-        bias: Tensor | None,
-        max_rows: int = MAX_ROWS,
-        vector_rows: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.dense = dense
-        self.groups = groups
-        self.bias = bias
-        self.max_rows = max_rows
-        self.vector_rows = max_rows if vector_rows is None else vector_rows
-
-    def kernel(self, x: Tensor) -> Tensor:
-        return torch.ops.kvpool.q4_linear(x, *self.groups)
-
-    def tile_kernel(self, x: Tensor) -> Tensor:
-        return torch.ops.kvpool.q4_linear_amx(x, *self.groups)
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = x.shape[0]
-        if rows > self.max_rows:
-            return self.dense(x)
-        y = self.kernel(x) if rows <= self.vector_rows else self.tile_kernel(x)
-        return y if self.bias is None else y + self.bias
-
-
-class Q8Linear(Q4Linear):
-    """The same over Q8_0 groups (the LM head)."""
-
-    def kernel(self, x: Tensor) -> Tensor:
-        return torch.ops.kvpool.q8_linear(x, *self.groups)
-
-    def tile_kernel(self, x: Tensor) -> Tensor:
-        return torch.ops.kvpool.q8_linear_amx(x, *self.groups)

@@ -1,0 +1,43 @@
+"""Fused per-layer ops (`engine/kernels/fused_ops.cpp`).
+
+A decode step at batch 8 runs ~600 torch ops, most of them elementwise work on a few thousand
+values whose dispatch costs more than their arithmetic; a 2,048-token prefill step spends a
+fifth of its time in the chains of elementwise ops (each a pass over the activations) that
+RMSNorm, SiLU * up and RoPE are in torch. bf16 steps run RMSNorm (+ the residual add), SiLU *
+up and RoPE + the K/V write as one op each, rounding where torch's bf16 ops round. float32
+steps take them too: RoPE + the K/V write round as torch's float32 ops do, bit for bit; the
+norm differs in the summation order of its squares and SiLU in exp's last bits (a few ulps, as
+the 4-bit kernels' sums already differ from a dense matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvpool.engine.kernels import fused_ops_available
+
+
+def usable(x: Tensor) -> bool:
+    """The fused ops take x's rows (float32 or bf16, on CPU, the kernel built)."""
+    return x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu" and fused_ops_available()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.ops.kvpool_fused.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(norm(x + residual), x + residual)."""
+    return torch.ops.kvpool_fused.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    return torch.ops.kvpool_fused.silu_mul(gate_up)
+
+
+def rope_write_kv(
+    qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, heads: int, kv_heads: int
+) -> tuple[Tensor, Tensor]:
+    """(q [T, H, D], k [T, Hkv, D]) rotated; k and V written to their slots."""
+    return torch.ops.kvpool_fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
