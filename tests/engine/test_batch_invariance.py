@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 from engine_helpers import assert_no_leak
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
 from kvpool.engine.kernels import batch_invariant, q4_lanes_available
 from kvpool.engine.layers.linear import (
+    AgreeingBuckets,
     PackedLinear,
     Q4Linear,
     Q8Linear,
@@ -23,7 +25,7 @@ from kvpool.engine.layers.linear import (
     row_bucket,
 )
 from kvpool.engine.loader import load_model
-from kvpool.engine.models.quantized import lanes_groups, q4_groups, q8_groups
+from kvpool.engine.models.quantized import lanes_groups, q4_groups, q8_groups, row_limits, tile_groups
 
 pytestmark = pytest.mark.skipif(not batch_invariant(), reason="KVPOOL_BATCH_INVARIANT=0")
 needs_lanes = pytest.mark.skipif(not q4_lanes_available(), reason="no AVX512-BF16 lanes kernels on this CPU")
@@ -59,16 +61,18 @@ def _exact_weight(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", [(960, 288), (576, 768), (3072, 288), (64, 1536)])
 def test_grouped_kernels_give_the_dense_gemms_bits_at_every_row_count(bits, shape):
-    """4-bit / 8-bit rows and the dense oneDNN GEMM are interchangeable: the same bits."""
+    """4-bit / 8-bit rows and the dense oneDNN GEMM are interchangeable: the same bits, with
+    the kernel the packer picks on this CPU (the lanes kernels, or the AMX tile kernel)."""
     w = _exact_weight(*shape, bits, seed=shape[0])
     groups = q4_groups(w) if bits == 4 else q8_groups(w)
     dense = PackedLinear(w.bfloat16(), None)
-    lanes = lanes_groups(dense, groups)
-    assert lanes is not None
-    lin = (Q4Linear if bits == 4 else Q8Linear)(dense, lanes, None, max_rows=8)
+    vector_rows, max_rows = row_limits(True, invariant=True)
+    served = tile_groups(dense, groups) if vector_rows == 0 else lanes_groups(dense, groups)
+    assert served is not None
+    lin = (Q4Linear if bits == 4 else Q8Linear)(dense, served, None, max_rows, vector_rows)
     x = torch.randn(70, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
-    want = dense(x)
-    for rows in (1, 2, 3, 5, 8, 9, 16, 33, 70):
+    want = torch.cat([dense(row) for row in x.split(1)])
+    for rows in (1, 2, 3, 5, 8, 9, 16, 32, 33, 48, 70):
         assert torch.equal(lin(x[:rows]), want[:rows]), rows
 
 
@@ -87,6 +91,30 @@ def test_dense_gemm_rows_do_not_depend_on_the_row_count(dtype):
         for rows in sorted({row_bucket(m) for m in range(1, 601)}):
             got = lin(x[:rows])[: rows : 37]
             assert torch.equal(got, alone[: got.shape[0]]), (n, k, rows)
+
+
+def test_a_bucket_summing_in_another_order_runs_as_chunks_of_one_that_agrees():
+    """`AgreeingBuckets` on a GEMM that, like oneDNN's bf16 one on AMX, sums K in blocks for
+    some row buckets: those buckets are found on probe rows and run as chunks of an agreeing
+    bucket below them or padded to one above, whichever costs less, so each row gets its solo
+    bits."""
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(3))
+
+    def chain(x: Tensor, lo: int, hi: int) -> Tensor:  # float32 sums over K in order
+        acc = torch.zeros(x.shape[0], w.shape[0])
+        for k in range(lo, hi):
+            acc = acc + x[:, k, None].float() * w[:, k]
+        return acc
+
+    def gemm(x: Tensor) -> Tensor:
+        if 40 <= x.shape[0] < 128:  # two K blocks summed apart, then added
+            return (chain(x, 0, 32) + chain(x, 32, 64)).bfloat16()
+        return chain(x, 0, 64).bfloat16()
+
+    buckets = AgreeingBuckets(gemm, w.shape, torch.bfloat16)
+    assert [b for b in (8, 16, 32, 40, 64, 96, 128, 144) if buckets.agrees(b)] == [8, 16, 32, 128, 144]
+    assert buckets.chunk_rows(64) == 32 and buckets.chunk_rows(96) == 128  # 3 calls of 32 cost more than one of 128
+    assert buckets.chunk_rows(144) == 144 and buckets.chunk_rows(16) == 16
 
 
 @settings(max_examples=3, deadline=None, phases=[Phase.explicit, Phase.generate],  # no shrinking: minutes a step

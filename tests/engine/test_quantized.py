@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.engine.kernels import q4_amx_available, q4_linear_available
+from kvpool.engine.kernels import batch_invariant, q4_amx_available, q4_linear_available
 from kvpool.engine.layers.linear import Q4Linear, Q8Linear
 from kvpool.engine.models import quantized
 from kvpool.engine.models.quantized import (
@@ -248,8 +248,9 @@ def _force_dense(model, on: bool) -> None:
     """Route every batch to the dense bf16 copies (the reference) or back to the kernels."""
     for module in model.modules():
         if isinstance(module, Q4Linear):
-            module.vector_rows, module.max_rows = (0, 0) if on else row_limits(True, isinstance(module, Q8Linear))
-    model.q4_rows = 0 if on else row_limits(True)[1]
+            module.vector_rows, module.max_rows = (0, 0) if on else row_limits(
+                True, isinstance(module, Q8Linear), invariant=batch_invariant())
+    model.q4_rows = 0 if on else row_limits(True, invariant=batch_invariant())[1]
 
 
 @needs_kernel

@@ -4,9 +4,13 @@ and 4-bit or 8-bit groups that serve decode-sized batches beside a dense copy.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from kvpool.engine.kernels import batch_invariant
 
 
 class CheckpointLinear(nn.Linear):
@@ -36,6 +40,14 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def bucket_below(bucket: int) -> int:
+    """The largest row bucket under `bucket`."""
+    rows = bucket - 1
+    while row_bucket(rows) >= bucket:
+        rows -= 1
+    return row_bucket(rows)
+
+
 class FrozenLinear(nn.Module):
     """`F.linear` on a frozen weight: the dense copy where oneDNN cannot pack the dtype."""
 
@@ -54,26 +66,115 @@ class FrozenLinear(nn.Module):
 class PackedLinear(nn.Module):
     """A frozen Linear whose weight is pre-packed for oneDNN's CPU GEMM: the blocked layout
     streams weights 1.2-3x faster than `F.linear`, most at decode batch sizes (vLLM's CPU
-    backend does the same). Results match `F.linear` to float rounding."""
+    backend does the same). Results match `F.linear` to float rounding.
+
+    Batch-invariant (the default): oneDNN picks its kernel per shape, and on AMX CPUs its bf16
+    GEMM sums K in one chain for some row buckets and in blocks for others (3072 x 576: one
+    chain up to 32 rows, blocks from 40), so a row's bits would depend on how many rows share
+    its step. Each bucket therefore runs as is only once it has been checked, on probe rows,
+    to give the smallest bucket's bits; a batch in any other bucket runs as chunks of the
+    largest checked bucket below it (`AgreeingBuckets`)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, batch_hint: int = 8) -> None:
         super().__init__()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
         self.bias = None if bias is None else bias.detach()
         self.in_features = weight.shape[1]
+        self.buckets = AgreeingBuckets(self._gemm, weight.shape, weight.dtype) if batch_invariant() else None
+
+    def _gemm(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.shape[0]
-        x = pad_rows(x, row_bucket(rows))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
+        bucket = row_bucket(rows)
+        chunk = bucket if self.buckets is None else self.buckets.chunk_rows(bucket)
+        if chunk >= rows:
+            return self._gemm(pad_rows(x, bucket))[:rows]
+        parts = [self._gemm(pad_rows(x[i : i + chunk], chunk)) for i in range(0, rows, chunk)]
+        return torch.cat(parts)[:rows]
 
     def warm_up(self, max_rows: int) -> None:
-        """Build the kernel of every row bucket up to `max_rows` now, not in a served step."""
+        """Build the kernel of every row bucket up to `max_rows` now, not in a served step
+        (and, batch-invariant, check it)."""
         rows = 1
         while rows <= max_rows:
             bucket = row_bucket(rows)
             self(torch.zeros(bucket, self.in_features, dtype=self.packed.dtype))
             rows = bucket + 1
+
+
+SMALLEST_BUCKET = 8  # the reference every other bucket is checked against
+# Outputs a check compares: another summation order changes a bf16 output only where the float32
+# sum lies near a rounding boundary (~1 in 15,000 outputs, bf16 3072 x 576), so a check reads
+# about a million, in as many calls as that takes.
+PROBE_OUTPUTS = 1 << 20
+# (shape, dtype, bucket) -> whether oneDNN's bits there equal the smallest bucket's (its choice
+# depends on the shapes alone, so one check serves every layer of a shape)
+_bucket_agrees: dict[tuple, bool] = {}
+# A GEMM call costs about as much as this many more rows (bf16, AMX: 0.13 ms + 3.4 us a row
+# over a layer's four projections of the bundled model)
+CALL_ROWS = 38
+_probes: dict[tuple, tuple[Callable[[Tensor], Tensor], Tensor, Tensor]] = {}  # shape -> (gemm, rows, their bits)
+
+
+class AgreeingBuckets:
+    """Which row buckets of one packed GEMM give every row the bits it gets in the smallest
+    bucket, checked on first use with probe rows; `chunk_rows` the rows a batch of a bucket
+    runs at."""
+
+    def __init__(self, gemm: Callable[[Tensor], Tensor], shape: torch.Size, dtype: torch.dtype) -> None:
+        self.gemm, self.shape, self.dtype = gemm, tuple(shape), dtype
+        self._chunk: dict[int, int] = {}
+
+    def agrees(self, bucket: int) -> bool:
+        if bucket <= SMALLEST_BUCKET:
+            return True
+        key = (self.shape, self.dtype, bucket)
+        if key not in _bucket_agrees:
+            gemm, x, want = self._probe()
+            rows = x.shape[0]
+            got = torch.cat([gemm(pad_rows(x[i : i + bucket], bucket))[: rows - i] for i in range(0, rows, bucket)])
+            _bucket_agrees[key] = torch.equal(got, want)
+        return _bucket_agrees[key]
+
+    def _probe(self) -> tuple[Callable[[Tensor], Tensor], Tensor, Tensor]:
+        key = (self.shape, self.dtype)
+        if key not in _probes:
+            n, k = self.shape
+            rows = -(-PROBE_OUTPUTS // n // SMALLEST_BUCKET) * SMALLEST_BUCKET
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n * 7919 + k)).to(self.dtype)
+            want = torch.cat([self.gemm(part) for part in x.split(SMALLEST_BUCKET)])
+            _probes[key] = (self.gemm, x, want)
+        return _probes[key]
+
+    def chunk_rows(self, bucket: int) -> int:
+        """The rows a batch of `bucket` runs at: `bucket` where it agrees, else the agreeing
+        bucket that costs least, counted as padded rows plus CALL_ROWS per call: chunks of one
+        below it, or one call padded to the next above it (up to twice its rows)."""
+        if self.agrees(bucket):
+            return bucket
+        if bucket not in self._chunk:
+            best, best_cost = bucket, None
+            below = bucket
+            while not self.agrees(below):
+                below = bucket_below(below)
+            candidates = [below]
+            above = row_bucket(bucket + 1)
+            while above <= 2 * bucket and not self.agrees(above):
+                above = row_bucket(above + 1)
+            if above <= 2 * bucket:
+                candidates.append(above)
+            while below > SMALLEST_BUCKET:
+                below = bucket_below(below)
+                if self.agrees(below):
+                    candidates.append(below)
+            for rows in candidates:
+                cost = -(-bucket // rows) * (rows + CALL_ROWS)
+                if best_cost is None or cost < best_cost:
+                    best, best_cost = rows, cost
+            self._chunk[bucket] = best
+        return self._chunk[bucket]
 
 
 def can_pack_weights(device: torch.device | str, dtype: torch.dtype) -> bool:

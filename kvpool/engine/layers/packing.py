@@ -26,7 +26,7 @@ from kvpool.engine.layers.linear import (
     Q8Linear,
     can_pack_weights,
 )
-from kvpool.engine.models.quantized import lanes_groups, row_limits
+from kvpool.engine.models.quantized import lanes_groups, row_limits, tile_groups
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,11 @@ class LinearPacker:
         if not self.q4_kernels or groups is None or len(groups) not in sizes:
             return None
         if self.invariant:
-            return None if getattr(dense, "bias", None) is not None else lanes_groups(dense, groups, self.dtype)
+            if getattr(dense, "bias", None) is not None:
+                return None
+            if self.vector_rows == 0:  # the AMX tile kernel alone (row_limits)
+                return tile_groups(dense, groups)
+            return lanes_groups(dense, groups, self.dtype)
         return groups
 
     def report(self, projections: int, head: nn.Module, native_loop: bool) -> None:

@@ -37,6 +37,10 @@ AMX_MAX_ROWS_BF16 = 32  # the AMX kernel, above MAX_ROWS_BF16
 # in this CPU's 300 MB L3): off until a machine shows otherwise.
 HEAD_AMX_MAX_ROWS_BF16 = HEAD_MAX_ROWS_BF16
 LANES_MAX_ROWS_BF16 = 8  # the batch-invariant lanes kernels (their bits equal the dense GEMM's)
+# Batch-invariant with AMX: oneDNN's bf16 GEMM sums K on AMX tiles in one chain up to 32 rows
+# (`linear.AgreeingBuckets`), as the AMX tile kernel does at every row count, while the lanes
+# kernels' vdpbf16ps adds each K pair in the other order; so the tile kernel serves the groups.
+TILES_MAX_ROWS_BF16 = 32
 LANES_HEAD_MAX_ROWS_BF16 = 4
 # float32 lanes kernels (AVX2 Zen 3, one thread, a shared box): the bundled model's four
 # projections of a layer take 0.54-0.70 ms at 1 row (dense 2.3-3.0, the per-row-count kernel
@@ -49,8 +53,10 @@ LANES_HEAD_MAX_ROWS_F32 = 8
 def row_limits(bf16: bool, head: bool = False, invariant: bool = False) -> tuple[int, int]:
     """(rows up to which the vector kernel runs, rows up to which the groups serve at all):
     the AMX kernel takes the rows between, where this CPU and kernel build have it. Batch-
-    invariant: the lanes kernels (no AMX: its tiles sum in their own order)."""
+    invariant: the lanes kernels, or on AMX CPUs the AMX kernel alone (see TILES_MAX_ROWS_BF16)."""
     if invariant:
+        if bf16 and q4_amx_available():
+            return 0, TILES_MAX_ROWS_BF16
         if bf16:
             rows = LANES_HEAD_MAX_ROWS_BF16 if head else LANES_MAX_ROWS_BF16
         else:
@@ -191,3 +197,14 @@ def lanes_groups(
             _kblock_by_shape[key] = block
             return packed
     return None
+
+
+def tile_groups(dense: nn.Module, groups: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
+    """`groups` where the AMX tile kernel's results on bf16 rows equal `dense`'s (the batch-
+    invariant oneDNN GEMM) bit for bit on probe rows, else None (the projection stays dense)."""
+    n, k = groups[1].shape[0], groups[1].shape[1] * GROUP
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    x = torch.randn(TILES_MAX_ROWS_BF16, k, generator=gen).bfloat16()
+    ops = torch.ops.kvpool
+    got = ops.q4_linear_amx(x, *groups) if len(groups) == 3 else ops.q8_linear_amx(x, *groups)
+    return groups if torch.equal(got, dense(x)) else None
