@@ -346,13 +346,13 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 // Mid-size batches (a decode step of ~4-32 rows): the vdpbf16ps loops above pay a dot product
 // per 32 weights per row, so they are compute-bound there, while the dense AMX GEMM streams
 // 2.7x more weight bytes. Here each block of 16 output rows of W is dequantized once (the same
-// bf16 weights, bit for bit) into a scratch strip whose 16 x 32 slices are AMX A tiles (a
-// group per tile row), and the activations, packed once per call into VNNI B tiles (pairs of K
-// for 16 rows), pass over it: tile C = W_block . x^T, float32 accumulation, rounded to bf16 once.
+// bf16 weights, bit for bit) into a scratch strip of VNNI B tiles (a group of K per tile: pairs
+// of K for the 16 outputs), and the activations, read in place as A tiles (16 rows x 32 K), pass
+// over it: tile C = x_block . W_block^T, float32 accumulation in K order, rounded to bf16 once.
+// Each output's chain is the same whatever the rows (batch-invariant: docs/determinism.md).
 
 #ifdef KVPOOL_AMX
 constexpr int64_t kTileRows = 16;
-constexpr int64_t kPassBlocks = 4;  // C tiles 0-3: 64 activation rows per pass over a strip
 
 struct TileConfig {  // the palette-1 layout LDTILECFG reads
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -390,6 +390,15 @@ inline __m256i round_to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// --- few rows (decode): W as the A tiles ---------------------------------------------------
+// The same products in the same order with the roles swapped: the strip holds 16 outputs' bf16
+// rows as A tiles (no transpose to make it: a decode step makes every strip of the model and
+// uses it for a few rows), the activations are packed into VNNI B tiles, and the C tile
+// [outputs][rows] is written out by column. Past kFewRows, the transposes it saves cost less
+// than the packing and column writes it needs.
+constexpr int64_t kFewRows = 32;
+constexpr int64_t kPassBlocks = 4;  // C tiles 0-3: 64 activation rows per pass over a strip
+
 // Activations [M, K] -> B tiles [K/32][ceil(M/16)][16 pairs of K][16 rows], zero past M.
 at::Tensor pack_activations(const at::Tensor& x) {
   const int64_t rows = x.size(0), pairs = x.size(1) / 2, blocks = (rows + kTileRows - 1) / kTileRows;
@@ -405,10 +414,8 @@ at::Tensor pack_activations(const at::Tensor& x) {
 }
 
 // Output rows n0.. n0 + 15 of W as the strip's bf16 rows (row stride k), rows past `outputs`
-// zero; row by row, so each row's groups are read as one stream. Q4_1: a group's 16 possible
-// weights d * q + m (multiply, then add, as in group16) are rounded to bf16 once, two rows'
-// tables in one vector, and the nibbles pick them (vpermw).
-void make_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip, int64_t k) {
+// zero; row by row, so each row's groups are read as one stream (see make_strip).
+void make_row_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip, int64_t k) {
   const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
                                          0x0004000400040004, 0, 0, 0, 0);  // words 16-31: high nibbles
@@ -439,7 +446,7 @@ void make_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip, int
   }
 }
 
-void make_strip(const Q8Format& f, int64_t n0, int64_t outputs, bf16* strip, int64_t k) {
+void make_row_strip(const Q8Format& f, int64_t n0, int64_t outputs, bf16* strip, int64_t k) {
   for (int64_t r = 0; r < kTileRows; ++r) {
     bf16* dst = strip + r * k;
     if (r >= outputs) {
@@ -458,7 +465,7 @@ void make_strip(const Q8Format& f, int64_t n0, int64_t outputs, bf16* strip, int
 // K (A tile 4, B tiles 5 6 7, 5 again for a fourth row block; the intrinsics take literal
 // tile numbers).
 template <int B>
-void tile_pass(const bf16* strip, int64_t k, const int32_t* xg, int64_t group_stride) {
+void row_tile_pass(const bf16* strip, int64_t k, const int32_t* xg, int64_t group_stride) {
   _tile_zero(0);
   if constexpr (B > 1) _tile_zero(1);
   if constexpr (B > 2) _tile_zero(2);
@@ -486,8 +493,7 @@ void store_transposed(const float* c, bf16* y, int64_t n_out, int64_t rows, int6
 }
 
 template <class Fmt>
-at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
-  TORCH_CHECK(amx_unavailable_reason().empty(), "AMX kernel unavailable: ", amx_unavailable_reason());
+at::Tensor linear_amx_few(const Fmt& f, const at::Tensor& x, int64_t n_out) {
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), k = xc.size(1), blocks = (rows + kTileRows - 1) / kTileRows;
   at::Tensor y = at::empty({rows, n_out}, xc.options());
@@ -502,7 +508,7 @@ at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
     thread_local std::vector<bf16> strips;  // two strips: one in the tile unit while the next is made
     strips.resize(2 * kTileRows * k);
     alignas(64) float c[kPassBlocks][kTileRows * kTileRows];
-    make_strip(f, begin * kTileRows, outputs_of(begin), strips.data(), k);
+    make_row_strip(f, begin * kTileRows, outputs_of(begin), strips.data(), k);
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t n0 = nb * kTileRows, outputs = outputs_of(nb);
       const bf16* strip = strips.data() + ((nb - begin) & 1) * kTileRows * k;
@@ -511,12 +517,12 @@ at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
         const int64_t pass = std::min(kPassBlocks, blocks - b0);
         const int32_t* xg = xp + b0 * kTileRows * kTileRows;
         switch (pass) {
-          case 1: tile_pass<1>(strip, k, xg, group_stride); break;
-          case 2: tile_pass<2>(strip, k, xg, group_stride); break;
-          case 3: tile_pass<3>(strip, k, xg, group_stride); break;
-          default: tile_pass<4>(strip, k, xg, group_stride); break;
+          case 1: row_tile_pass<1>(strip, k, xg, group_stride); break;
+          case 2: row_tile_pass<2>(strip, k, xg, group_stride); break;
+          case 3: row_tile_pass<3>(strip, k, xg, group_stride); break;
+          default: row_tile_pass<4>(strip, k, xg, group_stride); break;
         }
-        if (b0 == 0 && nb + 1 < end) make_strip(f, n0 + kTileRows, outputs_of(nb + 1), next, k);
+        if (b0 == 0 && nb + 1 < end) make_row_strip(f, n0 + kTileRows, outputs_of(nb + 1), next, k);
         _tile_stored(0, c[0], 64);
         if (pass > 1) _tile_stored(1, c[1], 64);
         if (pass > 2) _tile_stored(2, c[2], 64);
@@ -531,7 +537,198 @@ at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
   });
   return y;
 }
+// --- many rows (prefill): the activations as the A tiles ------------------------------------
+
+// 16 x 16 dwords: r[i] holds row i; on return r[j] holds column j (unpack pairs, then pairs of
+// pairs, then 128-bit lanes twice).
+inline void transpose16(__m512i r[16]) {
+  __m512i a[16];
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m512i b[16];  // b[4q + c], 128-bit lane L: rows 4q..4q+3 of column 4L + c
+  for (int q = 0; q < 16; q += 4) {
+    b[q] = _mm512_unpacklo_epi64(a[q], a[q + 2]);
+    b[q + 1] = _mm512_unpackhi_epi64(a[q], a[q + 2]);
+    b[q + 2] = _mm512_unpacklo_epi64(a[q + 1], a[q + 3]);
+    b[q + 3] = _mm512_unpackhi_epi64(a[q + 1], a[q + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i s0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), s1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
+    const __m512i s2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88), s3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    r[12 + c] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+
+// One group of K (32 values) of 16 output rows, one zmm each (bf16 pairs), stored as the B tile
+// AMX multiplies with: row p = the 16 outputs' pair p (VNNI).
+inline void store_group_tile(__m512i rows[16], bf16* tile) {
+  transpose16(rows);
+  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * 32, rows[p]);
+}
+
+// Output rows n0 .. n0 + 15 of W as a strip of B tiles, one per group of K (rows past `outputs`
+// zero). Q4_1: a group's 16 possible weights d * q + m (multiply, then add, as in group16) are
+// rounded to bf16 once, two rows' tables in one vector, and the nibbles pick them (vpermw).
+void make_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip) {
+  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                         0x0004000400040004, 0, 0, 0, 0);  // words 16-31: high nibbles
+  const __m512i low4 = _mm512_set1_epi16(15), second = _mm512_set1_epi16(16);
+  const auto nibbles = [&](int64_t i) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f.qs + i * 16));
+    return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes)), shift);
+  };
+  __m512i rows[16];
+  for (int64_t g = 0; g < f.groups; ++g) {
+    for (int64_t r = 0; r < kTileRows; r += 2) {
+      if (r >= outputs) {
+        rows[r] = rows[r + 1] = _mm512_setzero_si512();
+        continue;
+      }
+      const bool pair = r + 1 < outputs;
+      const int64_t i0 = (n0 + r) * f.groups + g, i1 = (n0 + r + pair) * f.groups + g;  // no pair: row r twice
+      const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i0])), _mm512_set1_ps(f.mins[i0]));
+      const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i1])), _mm512_set1_ps(f.mins[i1]));
+      const __m512bh tables = _mm512_cvtne2ps_pbh(t1, t0);  // words 0-15: row r's, 16-31: row r + 1's
+      const __m512i table = reinterpret_cast<const __m512i&>(tables);
+      rows[r] = _mm512_permutexvar_epi16(_mm512_and_si512(nibbles(i0), low4), table);
+      const __m512i pick1 = _mm512_ternarylogic_epi32(nibbles(i1), low4, second, 0xEA);  // (q & 15) | 16
+      rows[r + 1] = pair ? _mm512_permutexvar_epi16(pick1, table) : _mm512_setzero_si512();
+    }
+    store_group_tile(rows, strip + g * kTileRows * kGroup);
+  }
+}
+
+void make_strip(const Q8Format& f, int64_t n0, int64_t outputs, bf16* strip) {
+  __m512i rows[16];
+  for (int64_t g = 0; g < f.groups; ++g) {
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      if (r >= outputs) {
+        rows[r] = _mm512_setzero_si512();
+        continue;
+      }
+      const auto [lo, hi] = f.group16(n0 + r, g);
+      const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);  // to nearest even, as in rows_bf16
+      rows[r] = reinterpret_cast<const __m512i&>(w);
+    }
+    store_group_tile(rows, strip + g * kTileRows * kGroup);
+  }
+}
+
+// One pass over two row blocks of the activations (A tiles 4, 5, read in place: 16 rows x 32
+// K) and two strips (B tiles 6, 7): C tile 2 * b + s = row block b . strip s, over every group
+// of K in order (the intrinsics take literal tile numbers). Four tile loads per four products.
+template <int B>
+void tile_pass(const bf16* x, int64_t k, const bf16* strips, int64_t strip_size) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (B > 1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const bf16* second_rows = x + kTileRows * k;
+  const bf16* second_strip = strips + strip_size;
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const int64_t tile = g * kTileRows * kGroup;
+    _tile_loadd(4, x + g * kGroup, k * sizeof(bf16));
+    _tile_loadd(6, strips + tile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, second_strip + tile, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (B > 1) {
+      _tile_loadd(5, second_rows + g * kGroup, k * sizeof(bf16));
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// C tile [16 rows][16 outputs] -> y[row][n0 + output], rounded to bf16, rows and outputs that exist.
+void store_rows(const float* c, bf16* y, int64_t n_out, int64_t rows, int64_t outputs) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << outputs) - 1);
+  for (int64_t m = 0; m < rows; ++m)
+    _mm256_mask_storeu_epi16(y + m * n_out, valid, round_to_bf16(_mm512_loadu_ps(c + m * kTileRows)));
+}
+
+// Dense bf16 weights packed once at load as the strips make_strip would make (linear.py's
+// `TileLinear`: [N/32 pairs of strips][K/32][16 pairs of K][16 outputs][2], zero past N).
+struct PackedStrips {
+  const bf16* strips;
+};
+
+// The two strips from output strip s0: made into `buffer` (groups), or read in place (packed).
+template <class Fmt>
+const bf16* strip_pair(const Fmt& f, int64_t s0, int64_t n_out, int64_t strip_size, bf16* buffer) {
+  const auto outputs_of = [&](int64_t nb) { return std::max<int64_t>(0, std::min(kTileRows, n_out - nb * kTileRows)); };
+  make_strip(f, s0 * kTileRows, outputs_of(s0), buffer);
+  make_strip(f, (s0 + 1) * kTileRows, outputs_of(s0 + 1), buffer + strip_size);
+  return buffer;
+}
+template <>
+const bf16* strip_pair(const PackedStrips& f, int64_t s0, int64_t, int64_t strip_size, bf16*) {
+  return f.strips + s0 * strip_size;
+}
+
+template <class Fmt>
+at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
+  TORCH_CHECK(amx_unavailable_reason().empty(), "AMX kernel unavailable: ", amx_unavailable_reason());
+  if constexpr (!std::is_same_v<Fmt, PackedStrips>) {
+    if (x.size(0) <= kFewRows) return linear_amx_few(f, x, n_out);
+  }
+  const int64_t rows = x.size(0), k = x.size(1), blocks = (rows + kTileRows - 1) / kTileRows;
+  at::Tensor y = at::empty({rows, n_out}, x.options());
+  if (rows == 0 || n_out == 0) return y;
+  // A tiles read 16 rows in place: whole blocks, a zero tail where the rows stop short
+  at::Tensor xc = x.contiguous();
+  const int64_t padded = ((blocks + 1) / 2) * 2 * kTileRows;  // passes take two blocks
+  if (padded != rows) xc = at::cat({xc, at::zeros({padded - rows, k}, xc.options())});
+  const bf16* xp = xc.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t strips = (n_out + kTileRows - 1) / kTileRows, strip_size = kTileRows * k;
+  const auto outputs_of = [&](int64_t nb) { return std::max<int64_t>(0, std::min(kTileRows, n_out - nb * kTileRows)); };
+  at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    thread_local std::vector<bf16> buffer;  // two strips of B tiles, where they are made
+    if constexpr (!std::is_same_v<Fmt, PackedStrips>) buffer.resize(2 * strip_size);
+    alignas(64) float c[4][kTileRows * kTileRows];
+    for (int64_t pr = begin; pr < end; ++pr) {
+      const int64_t s0 = 2 * pr;
+      const bf16* pair = strip_pair(f, s0, n_out, strip_size, buffer.data());
+      for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
+        const int64_t pass = std::min<int64_t>(2, blocks - b0);
+        const bf16* xb = xp + b0 * kTileRows * k;
+        if (pass == 2)
+          tile_pass<2>(xb, k, pair, strip_size);
+        else
+          tile_pass<1>(xb, k, pair, strip_size);
+        for (int64_t t = 0; t < 2 * pass; ++t) {
+          const int64_t block = b0 + t / 2, strip = s0 + t % 2;
+          if (outputs_of(strip) == 0) continue;
+          switch (t) {  // literal tile numbers
+            case 0: _tile_stored(0, c[0], 64); break;
+            case 1: _tile_stored(1, c[1], 64); break;
+            case 2: _tile_stored(2, c[2], 64); break;
+            default: _tile_stored(3, c[3], 64); break;
+          }
+          const int64_t m0 = block * kTileRows;
+          store_rows(c[t], yp + m0 * n_out + strip * kTileRows, n_out, std::min(kTileRows, rows - m0),
+                     outputs_of(strip));
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
 #else
+struct PackedStrips {
+  const bf16* strips;
+};
 const std::string& amx_unavailable_reason() {
   static const std::string reason = "the kernel was built without AMX-TILE/AMX-BF16 (-march=native on this CPU)";
   return reason;
@@ -576,6 +773,16 @@ at::Tensor q4_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Te
   return linear_amx(f, x, qs.size(0));
 }
 
+// y = x . W^T for dense bf16 W packed as strips (linear.py: TileLinear.pack), n_out outputs.
+at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& strips, int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && strips.scalar_type() == at::kBFloat16,
+              "bf16_linear_amx: x and the strips must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && strips.dim() == 5 && strips.is_contiguous() && strips.size(1) * 32 == x.size(1) &&
+                  strips.size(0) * 16 >= n_out && strips.size(0) % 2 == 0,
+              "bf16_linear_amx: strips must be [N/16 (even), K/32, 16, 16, 2] for x [M, K]");
+  return linear_amx(PackedStrips{reinterpret_cast<const bf16*>(strips.data_ptr<at::BFloat16>())}, x, n_out);
+}
+
 at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "q8_linear_amx: x must be bfloat16");
   const Q8Format f = q8_format(x, qs, scale);
@@ -589,6 +796,7 @@ TORCH_LIBRARY(kvpool, m) {
   m.def("q8_linear(Tensor x, Tensor qs, Tensor scale) -> Tensor");
   m.def("q4_linear_amx(Tensor x, Tensor qs, Tensor scale, Tensor mins) -> Tensor");
   m.def("q8_linear_amx(Tensor x, Tensor qs, Tensor scale) -> Tensor");
+  m.def("bf16_linear_amx(Tensor x, Tensor strips, int n_out) -> Tensor");
   m.def("amx_unavailable() -> str", amx_unavailable);
   m.def("lanes_available(bool float32=False) -> bool", lanes_available);
   m.def("q4_repack(Tensor qs, Tensor scale, Tensor mins, int kblock, bool float32=False) -> Tensor[]");
@@ -599,6 +807,7 @@ TORCH_LIBRARY_IMPL(kvpool, CPU, m) {
   m.impl("q8_linear", q8_linear);
   m.impl("q4_linear_amx", q4_linear_amx);
   m.impl("q8_linear_amx", q8_linear_amx);
+  m.impl("bf16_linear_amx", bf16_linear_amx);
   m.impl("q4_repack", q4_repack);
   m.impl("q8_repack", q8_repack);
 }

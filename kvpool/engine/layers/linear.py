@@ -90,7 +90,7 @@ class PackedLinear(nn.Module):
         bucket = row_bucket(rows)
         chunk = bucket if self.buckets is None else self.buckets.chunk_rows(bucket)
         if chunk >= rows:
-            return self._gemm(pad_rows(x, bucket))[:rows]
+            return self._gemm(pad_rows(x, chunk))[:rows]
         parts = [self._gemm(pad_rows(x[i : i + chunk], chunk)) for i in range(0, rows, chunk)]
         return torch.cat(parts)[:rows]
 
@@ -175,6 +175,38 @@ class AgreeingBuckets:
                     best, best_cost = rows, cost
             self._chunk[bucket] = best
         return self._chunk[bucket]
+
+
+class TileLinear(nn.Module):
+    """A frozen bf16 Linear on the AMX tile kernel (`kvpool::bf16_linear_amx`), for batch-
+    invariant bf16 on AMX CPUs: every row count sums K in one `tdpbf16ps` chain, the order
+    oneDNN keeps only at some row buckets (`AgreeingBuckets`), so no step needs chunks. The
+    weight is packed once into the kernel's B tiles (strips of 16 outputs, pairs of K)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.strips = self.pack(weight.detach())
+        self.bias = None if bias is None else bias.detach()
+
+    @staticmethod
+    def pack(weight: Tensor) -> Tensor:
+        """[N, K] -> [N/16 (even), K/32, 16 pairs of K, 16 outputs, 2], zero past N."""
+        n, k = weight.shape
+        padded = -(-n // 32) * 32
+        w = pad_rows(weight.to(torch.bfloat16), padded)
+        return w.view(padded // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+    @staticmethod
+    def fits(weight: Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 32 == 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.kvpool.bf16_linear_amx(x, self.strips, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def warm_up(self, max_rows: int) -> None:
+        """Nothing to build: the kernel takes any row count."""
 
 
 def can_pack_weights(device: torch.device | str, dtype: torch.dtype) -> bool:

@@ -5,8 +5,9 @@ oneDNN cannot pack the dtype (bf16 on AVX2); the embedding table stays as it is 
 With 4-bit kernels, a projection whose weights are exactly 4-bit groups also keeps those for
 small batches (`Q4Linear`), and the LM head its exact Q8_0 groups (`Q8Linear`), float32 or
 bfloat16. Batch-invariant (the default, see `kernels.batch_invariant`): groups serve only where
-their kernel gives the dense GEMM's bits (the lanes kernels, `lanes_groups`), so the row count
-never changes a row.
+their kernel gives the dense GEMM's bits (the lanes kernels, `lanes_groups`, or on AMX CPUs the
+tile kernel, `tile_groups`), so the row count never changes a row; on AMX CPUs in bf16 the dense
+copies are `TileLinear`s too (oneDNN's order depends on the row count there).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from kvpool.engine.kernels import batch_invariant, q4_linear_available
+from kvpool.engine.kernels import batch_invariant, q4_amx_available, q4_linear_available
 from kvpool.engine.layers.linear import (
     FrozenLinear,
     PackedLinear,
     Q4Linear,
     Q8Linear,
+    TileLinear,
     can_pack_weights,
 )
 from kvpool.engine.models.quantized import lanes_groups, row_limits, tile_groups
@@ -52,11 +54,13 @@ class LinearPacker:
         self.groups = quant_groups
         self.bf16 = dtype == torch.bfloat16
         self.vector_rows, self.max_rows = row_limits(self.bf16, invariant=self.invariant) if q4_kernels else (0, 0)
+        # batch-invariant bf16 on AMX: projections on the tile kernel at every row count (TileLinear)
+        self.tiles = self.invariant and self.bf16 and self.dense is PackedLinear and q4_amx_available()
         self.served = 0  # projections that serve small batches from their groups
 
     def linear(self, name: str, weight: Tensor, bias: Tensor | None) -> nn.Module:
         """The layer for projection `name` (Q4_1 groups, or Q8_0 ones quantized on load)."""
-        dense = self.dense(weight, bias)
+        dense = (TileLinear if self.tiles and TileLinear.fits(weight) else self.dense)(weight, bias)
         groups = self._exact(name, dense, (3, 2))
         if groups is None:
             return dense
@@ -71,7 +75,7 @@ class LinearPacker:
         if groups is None:
             return dense
         vector, most = row_limits(self.bf16, head=True, invariant=self.invariant)
-        return Q8Linear(dense, groups, None, most, vector)
+        return Q8Linear(dense, groups, None, most, vector) if most else dense
 
     @property
     def q4_rows(self) -> int:
