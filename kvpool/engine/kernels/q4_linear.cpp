@@ -390,6 +390,30 @@ inline __m256i round_to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// Two output rows' Q4_1 group (groups i0, i1) as bf16 words: a group's 16 possible weights
+// d * q + m (multiply, then add, as in group16) are rounded to bf16 once, both rows' tables in
+// one vector, and the nibbles pick them (vpermw).
+struct Q4Dequant {
+  const Q4Format& f;
+  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                         0x0004000400040004, 0, 0, 0, 0);  // words 16-31: high nibbles
+  const __m512i low4 = _mm512_set1_epi16(15), second = _mm512_set1_epi16(16);
+
+  __m512i nibbles(int64_t i) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f.qs + i * 16));
+    return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes)), shift);
+  }
+  std::pair<__m512i, __m512i> two_rows(int64_t i0, int64_t i1) const {
+    const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i0])), _mm512_set1_ps(f.mins[i0]));
+    const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i1])), _mm512_set1_ps(f.mins[i1]));
+    const __m512bh tables = _mm512_cvtne2ps_pbh(t1, t0);  // words 0-15: row i0's, 16-31: row i1's
+    const __m512i table = reinterpret_cast<const __m512i&>(tables);
+    const __m512i pick1 = _mm512_ternarylogic_epi32(nibbles(i1), low4, second, 0xEA);  // (q & 15) | 16
+    return {_mm512_permutexvar_epi16(_mm512_and_si512(nibbles(i0), low4), table), _mm512_permutexvar_epi16(pick1, table)};
+  }
+};
+
 // --- few rows (decode): W as the A tiles ---------------------------------------------------
 // The same products in the same order with the roles swapped: the strip holds 16 outputs' bf16
 // rows as A tiles (no transpose to make it: a decode step makes every strip of the model and
@@ -414,16 +438,9 @@ at::Tensor pack_activations(const at::Tensor& x) {
 }
 
 // Output rows n0.. n0 + 15 of W as the strip's bf16 rows (row stride k), rows past `outputs`
-// zero; row by row, so each row's groups are read as one stream (see make_strip).
+// zero; row by row, so each row's groups are read as one stream.
 void make_row_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip, int64_t k) {
-  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
-                                         0x0004000400040004, 0, 0, 0, 0);  // words 16-31: high nibbles
-  const __m512i low4 = _mm512_set1_epi16(15), second = _mm512_set1_epi16(16);
-  const auto nibbles = [&](int64_t i) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f.qs + i * 16));
-    return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes)), shift);
-  };
+  const Q4Dequant dq{f};
   for (int64_t r = 0; r < kTileRows; r += 2) {
     bf16* dst = strip + r * k;
     if (r >= outputs) {
@@ -433,14 +450,9 @@ void make_row_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip,
     const bool pair = r + 1 < outputs;
     const int64_t row0 = (n0 + r) * f.groups, row1 = (n0 + r + pair) * f.groups;  // no pair: row r twice
     for (int64_t g = 0; g < f.groups; ++g) {
-      const int64_t i0 = row0 + g, i1 = row1 + g;
-      const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i0])), _mm512_set1_ps(f.mins[i0]));
-      const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i1])), _mm512_set1_ps(f.mins[i1]));
-      const __m512bh tables = _mm512_cvtne2ps_pbh(t1, t0);  // words 0-15: row r's, 16-31: row r + 1's
-      const __m512i table = reinterpret_cast<const __m512i&>(tables);
-      _mm512_storeu_si512(dst + g * kGroup, _mm512_permutexvar_epi16(_mm512_and_si512(nibbles(i0), low4), table));
-      const __m512i pick1 = _mm512_ternarylogic_epi32(nibbles(i1), low4, second, 0xEA);  // (q & 15) | 16
-      _mm512_storeu_si512(dst + k + g * kGroup, _mm512_permutexvar_epi16(pick1, table));
+      const auto [w0, w1] = dq.two_rows(row0 + g, row1 + g);
+      _mm512_storeu_si512(dst + g * kGroup, w0);
+      _mm512_storeu_si512(dst + k + g * kGroup, w1);
     }
     if (!pair) std::memset(dst + k, 0, k * sizeof(bf16));
   }
@@ -572,17 +584,9 @@ inline void store_group_tile(__m512i rows[16], bf16* tile) {
 }
 
 // Output rows n0 .. n0 + 15 of W as a strip of B tiles, one per group of K (rows past `outputs`
-// zero). Q4_1: a group's 16 possible weights d * q + m (multiply, then add, as in group16) are
-// rounded to bf16 once, two rows' tables in one vector, and the nibbles pick them (vpermw).
+// zero).
 void make_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip) {
-  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
-                                         0x0004000400040004, 0, 0, 0, 0);  // words 16-31: high nibbles
-  const __m512i low4 = _mm512_set1_epi16(15), second = _mm512_set1_epi16(16);
-  const auto nibbles = [&](int64_t i) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f.qs + i * 16));
-    return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes)), shift);
-  };
+  const Q4Dequant dq{f};
   __m512i rows[16];
   for (int64_t g = 0; g < f.groups; ++g) {
     for (int64_t r = 0; r < kTileRows; r += 2) {
@@ -590,15 +594,10 @@ void make_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip) {
         rows[r] = rows[r + 1] = _mm512_setzero_si512();
         continue;
       }
-      const bool pair = r + 1 < outputs;
-      const int64_t i0 = (n0 + r) * f.groups + g, i1 = (n0 + r + pair) * f.groups + g;  // no pair: row r twice
-      const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i0])), _mm512_set1_ps(f.mins[i0]));
-      const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(f.scale[i1])), _mm512_set1_ps(f.mins[i1]));
-      const __m512bh tables = _mm512_cvtne2ps_pbh(t1, t0);  // words 0-15: row r's, 16-31: row r + 1's
-      const __m512i table = reinterpret_cast<const __m512i&>(tables);
-      rows[r] = _mm512_permutexvar_epi16(_mm512_and_si512(nibbles(i0), low4), table);
-      const __m512i pick1 = _mm512_ternarylogic_epi32(nibbles(i1), low4, second, 0xEA);  // (q & 15) | 16
-      rows[r + 1] = pair ? _mm512_permutexvar_epi16(pick1, table) : _mm512_setzero_si512();
+      const bool pair = r + 1 < outputs;  // no pair: row r twice, the second zeroed
+      const auto [w0, w1] = dq.two_rows((n0 + r) * f.groups + g, (n0 + r + pair) * f.groups + g);
+      rows[r] = w0;
+      rows[r + 1] = pair ? w1 : _mm512_setzero_si512();
     }
     store_group_tile(rows, strip + g * kTileRows * kGroup);
   }
