@@ -1,6 +1,7 @@
-"""Linear layers, one interface (`forward(x)`, `warm_up(max_rows)`) in four forms the loader
+"""Linear layers, one interface (`forward(x)`, `warm_up(max_rows)`) in five forms the loader
 picks from per projection (`packing.py`): the checkpoint's dense weight, a oneDNN-packed copy,
-and 4-bit or 8-bit groups that serve decode-sized batches beside a dense copy."""
+a copy packed for the AMX tile kernel, and 4-bit or 8-bit groups that serve decode-sized
+batches beside a dense copy."""
 
 from __future__ import annotations
 
