@@ -139,7 +139,11 @@ def _target(model: LlamaForCausal, params: dict[str, Tensor], t: StoredTensor) -
 
 
 def _pread(t: StoredTensor, out: Tensor) -> None:
-    """Read tensor `t`'s bytes into the contiguous uint8 tensor `out`."""
+    """Read tensor `t`'s bytes into the contiguous uint8 tensor `out`. Its pages are touched
+    first: a read that faults fresh pages in inside the kernel's copy ran at 0.6 GB/s on a
+    2-core Xeon VM (6.0 s for a 1.7B checkpoint), zeroing them first and then reading at 5 GB/s
+    (0.65 + 0.59 s)."""
+    out.zero_()
     view = memoryview(out.numpy())
     fd = os.open(t.file, os.O_RDONLY)
     try:
