@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 from kvpool.bench.determinism import greedy, random_prompts, serve, serve_beside
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
-from kvpool.engine.kernels import batch_invariant, q4_lanes_available
+from kvpool.engine.kernels import batch_invariant, q4_amx_available, q4_lanes_available
 from kvpool.engine.layers.linear import (
     AgreeingBuckets,
     PackedLinear,
     Q4Linear,
     Q8Linear,
+    TileLinear,
     can_pack_weights,
     row_bucket,
 )
@@ -91,6 +92,20 @@ def test_dense_gemm_rows_do_not_depend_on_the_row_count(dtype):
         for rows in sorted({row_bucket(m) for m in range(1, 601)}):
             got = lin(x[:rows])[: rows : 37]
             assert torch.equal(got, alone[: got.shape[0]]), (n, k, rows)
+
+
+@pytest.mark.skipif(not q4_amx_available(), reason="no AMX tile kernel on this CPU")
+@pytest.mark.parametrize("shape", [(960, 576), (100, 64)])
+def test_the_tile_kernel_gives_each_row_its_solo_bits_at_any_row_count(shape):
+    """TileLinear (AMX, dense bf16 weights packed once) at 1-600 rows, across its few-row and
+    many-row forms and its 256-row chunks, equals oneDNN's GEMM on each row alone."""
+    gen = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(*shape, generator=gen).bfloat16()
+    tiles, dense = TileLinear(w, None), PackedLinear(w, None)
+    x = torch.randn(600, shape[1], generator=gen).bfloat16()
+    alone = torch.cat([dense(row) for row in x.split(1)])
+    for rows in (1, 3, 16, 32, 33, 100, 256, 257, 600):
+        assert torch.equal(tiles(x[:rows]), alone[:rows]), rows
 
 
 def test_a_bucket_summing_in_another_order_runs_as_chunks_of_one_that_agrees():

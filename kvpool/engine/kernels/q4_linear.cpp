@@ -659,6 +659,7 @@ void store_rows(const float* c, bf16* y, int64_t n_out, int64_t rows, int64_t ou
 struct PackedStrips {
   const bf16* strips;
 };
+constexpr int64_t kChunkBlocks = 16;  // 256 activation rows (1 MB at K = 2048) per sweep over packed strips
 
 // The two strips from output strip s0: made into `buffer` (groups), or read in place (packed).
 template <class Fmt>
@@ -695,28 +696,34 @@ at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
     thread_local std::vector<bf16> buffer;  // two strips of B tiles, where they are made
     if constexpr (!std::is_same_v<Fmt, PackedStrips>) buffer.resize(2 * strip_size);
     alignas(64) float c[4][kTileRows * kTileRows];
-    for (int64_t pr = begin; pr < end; ++pr) {
-      const int64_t s0 = 2 * pr;
-      const bf16* pair = strip_pair(f, s0, n_out, strip_size, buffer.data());
-      for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
-        const int64_t pass = std::min<int64_t>(2, blocks - b0);
-        const bf16* xb = xp + b0 * kTileRows * k;
-        if (pass == 2)
-          tile_pass<2>(xb, k, pair, strip_size);
-        else
-          tile_pass<1>(xb, k, pair, strip_size);
-        for (int64_t t = 0; t < 2 * pass; ++t) {
-          const int64_t block = b0 + t / 2, strip = s0 + t % 2;
-          if (outputs_of(strip) == 0) continue;
-          switch (t) {  // literal tile numbers
-            case 0: _tile_stored(0, c[0], 64); break;
-            case 1: _tile_stored(1, c[1], 64); break;
-            case 2: _tile_stored(2, c[2], 64); break;
-            default: _tile_stored(3, c[3], 64); break;
+    // Packed strips cost nothing to revisit: rows go in chunks whose activations stay in L2
+    // across the strips (all at once, each activation tile is read again for every strip pair).
+    constexpr bool packed = std::is_same_v<Fmt, PackedStrips>;
+    const int64_t chunk = packed ? kChunkBlocks : blocks;
+    for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
+      for (int64_t pr = begin; pr < end; ++pr) {
+        const int64_t s0 = 2 * pr;
+        const bf16* pair = strip_pair(f, s0, n_out, strip_size, buffer.data());
+        for (int64_t b0 = c0; b0 < std::min(blocks, c0 + chunk); b0 += 2) {
+          const int64_t pass = std::min<int64_t>(2, blocks - b0);
+          const bf16* xb = xp + b0 * kTileRows * k;
+          if (pass == 2)
+            tile_pass<2>(xb, k, pair, strip_size);
+          else
+            tile_pass<1>(xb, k, pair, strip_size);
+          for (int64_t t = 0; t < 2 * pass; ++t) {
+            const int64_t block = b0 + t / 2, strip = s0 + t % 2;
+            if (outputs_of(strip) == 0) continue;
+            switch (t) {  // literal tile numbers
+              case 0: _tile_stored(0, c[0], 64); break;
+              case 1: _tile_stored(1, c[1], 64); break;
+              case 2: _tile_stored(2, c[2], 64); break;
+              default: _tile_stored(3, c[3], 64); break;
+            }
+            const int64_t m0 = block * kTileRows;
+            store_rows(c[t], yp + m0 * n_out + strip * kTileRows, n_out, std::min(kTileRows, rows - m0),
+                       outputs_of(strip));
           }
-          const int64_t m0 = block * kTileRows;
-          store_rows(c[t], yp + m0 * n_out + strip * kTileRows, n_out, std::min(kTileRows, rows - m0),
-                     outputs_of(strip));
         }
       }
     }
