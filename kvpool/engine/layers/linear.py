@@ -73,8 +73,9 @@ class PackedLinear(nn.Module):
     GEMM sums K in one chain for some row buckets and in blocks for others (3072 x 576: one
     chain up to 32 rows, blocks from 40), so a row's bits would depend on how many rows share
     its step. Each bucket therefore runs as is only once it has been checked, on probe rows,
-    to give the smallest bucket's bits; a batch in any other bucket runs as chunks of the
-    largest checked bucket below it (`AgreeingBuckets`)."""
+    to give the smallest bucket's bits; a batch in any other bucket runs as chunks of an
+    agreeing bucket below it or padded to one above (`AgreeingBuckets`). Batch-invariant bf16
+    on AMX, the projections use `TileLinear` instead; the LM head stays here."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, batch_hint: int = 8) -> None:
         super().__init__()
