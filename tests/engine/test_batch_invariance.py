@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import Tensor
 from engine_helpers import assert_no_leak
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
 from kvpool.bench.determinism import greedy, random_prompts, serve, serve_beside
 from kvpool.engine.config import EngineConfig
@@ -26,7 +26,13 @@ from kvpool.engine.layers.linear import (
     row_bucket,
 )
 from kvpool.engine.loader import load_model
-from kvpool.engine.models.quantized import lanes_groups, q4_groups, q8_groups, row_limits, tile_groups
+from kvpool.engine.models.quantized import (
+    lanes_groups,
+    q4_groups,
+    q8_groups,
+    row_limits,
+    tile_groups,
+)
 
 pytestmark = pytest.mark.skipif(not batch_invariant(), reason="KVPOOL_BATCH_INVARIANT=0")
 needs_lanes = pytest.mark.skipif(not q4_lanes_available(), reason="no AVX512-BF16 lanes kernels on this CPU")

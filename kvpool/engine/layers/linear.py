@@ -196,8 +196,10 @@ class TileLinear(nn.Module):
         """[N, K] -> [N/16 (even), K/32, 16 pairs of K, 16 outputs, 2], zero past N."""
         n, k = weight.shape
         padded = -(-n // 32) * 32
-        w = pad_rows(weight.to(torch.bfloat16), padded)
-        return w.view(padded // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+        # a pair of K as one int32 element: the permuting copy runs 2x faster
+        pairs = pad_rows(weight.to(torch.bfloat16).contiguous(), padded).view(torch.int32)
+        tiles = pairs.view(padded // 16, 16, k // 32, 16).permute(0, 2, 3, 1).contiguous()
+        return tiles.view(torch.bfloat16).view(padded // 16, k // 32, 16, 16, 2)
 
     @staticmethod
     def fits(weight: Tensor) -> bool:
