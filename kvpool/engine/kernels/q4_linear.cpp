@@ -346,10 +346,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 // Mid-size batches (a decode step of ~4-32 rows): the vdpbf16ps loops above pay a dot product
 // per 32 weights per row, so they are compute-bound there, while the dense AMX GEMM streams
 // 2.7x more weight bytes. Here each block of 16 output rows of W is dequantized once (the same
-// bf16 weights, bit for bit) into a scratch strip of VNNI B tiles (a group of K per tile: pairs
-// of K for the 16 outputs), and the activations, read in place as A tiles (16 rows x 32 K), pass
-// over it: tile C = x_block . W_block^T, float32 accumulation in K order, rounded to bf16 once.
-// Each output's chain is the same whatever the rows (batch-invariant: docs/determinism.md).
+// bf16 weights, bit for bit) into a scratch strip, the activations pass over it, and tile C
+// accumulates W_block . x^T in float32 in K order, rounded to bf16 once. Dense bf16 weights
+// (batch-invariant bf16 on AMX, any row count) take the same products in the same order from
+// a copy packed at load. Each output's chain is the same whatever the rows (docs/determinism.md).
 
 #ifdef KVPOOL_AMX
 constexpr int64_t kTileRows = 16;
@@ -414,13 +414,10 @@ struct Q4Dequant {
   }
 };
 
-// --- few rows (decode): W as the A tiles ---------------------------------------------------
-// The same products in the same order with the roles swapped: the strip holds 16 outputs' bf16
-// rows as A tiles (no transpose to make it: a decode step makes every strip of the model and
-// uses it for a few rows), the activations are packed into VNNI B tiles, and the C tile
-// [outputs][rows] is written out by column. Past kFewRows, the transposes it saves cost less
-// than the packing and column writes it needs.
-constexpr int64_t kFewRows = 32;
+// --- 4-bit / 8-bit groups (decode-sized batches): W as the A tiles -------------------------
+// The strip holds 16 outputs' bf16 rows as A tiles (no transpose to make it: a decode step makes
+// every strip of the model and uses it for a few rows), the activations are packed into VNNI B
+// tiles, and the C tile [outputs][rows] is written out by column.
 constexpr int64_t kPassBlocks = 4;  // C tiles 0-3: 64 activation rows per pass over a strip
 
 // Activations [M, K] -> B tiles [K/32][ceil(M/16)][16 pairs of K][16 rows], zero past M.
@@ -505,7 +502,8 @@ void store_transposed(const float* c, bf16* y, int64_t n_out, int64_t rows, int6
 }
 
 template <class Fmt>
-at::Tensor linear_amx_few(const Fmt& f, const at::Tensor& x, int64_t n_out) {
+at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
+  TORCH_CHECK(amx_unavailable_reason().empty(), "AMX kernel unavailable: ", amx_unavailable_reason());
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), k = xc.size(1), blocks = (rows + kTileRows - 1) / kTileRows;
   at::Tensor y = at::empty({rows, n_out}, xc.options());
@@ -549,75 +547,10 @@ at::Tensor linear_amx_few(const Fmt& f, const at::Tensor& x, int64_t n_out) {
   });
   return y;
 }
-// --- many rows (prefill): the activations as the A tiles ------------------------------------
-
-// 16 x 16 dwords: r[i] holds row i; on return r[j] holds column j (unpack pairs, then pairs of
-// pairs, then 128-bit lanes twice).
-inline void transpose16(__m512i r[16]) {
-  __m512i a[16];
-  for (int i = 0; i < 16; i += 2) {
-    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  __m512i b[16];  // b[4q + c], 128-bit lane L: rows 4q..4q+3 of column 4L + c
-  for (int q = 0; q < 16; q += 4) {
-    b[q] = _mm512_unpacklo_epi64(a[q], a[q + 2]);
-    b[q + 1] = _mm512_unpackhi_epi64(a[q], a[q + 2]);
-    b[q + 2] = _mm512_unpacklo_epi64(a[q + 1], a[q + 3]);
-    b[q + 3] = _mm512_unpackhi_epi64(a[q + 1], a[q + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i s0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), s1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
-    const __m512i s2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88), s3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
-    r[c] = _mm512_shuffle_i32x4(s0, s2, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(s1, s3, 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
-    r[12 + c] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
-  }
-}
-
-// One group of K (32 values) of 16 output rows, one zmm each (bf16 pairs), stored as the B tile
-// AMX multiplies with: row p = the 16 outputs' pair p (VNNI).
-inline void store_group_tile(__m512i rows[16], bf16* tile) {
-  transpose16(rows);
-  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * 32, rows[p]);
-}
-
-// Output rows n0 .. n0 + 15 of W as a strip of B tiles, one per group of K (rows past `outputs`
-// zero).
-void make_strip(const Q4Format& f, int64_t n0, int64_t outputs, bf16* strip) {
-  const Q4Dequant dq{f};
-  __m512i rows[16];
-  for (int64_t g = 0; g < f.groups; ++g) {
-    for (int64_t r = 0; r < kTileRows; r += 2) {
-      if (r >= outputs) {
-        rows[r] = rows[r + 1] = _mm512_setzero_si512();
-        continue;
-      }
-      const bool pair = r + 1 < outputs;  // no pair: row r twice, the second zeroed
-      const auto [w0, w1] = dq.two_rows((n0 + r) * f.groups + g, (n0 + r + pair) * f.groups + g);
-      rows[r] = w0;
-      rows[r + 1] = pair ? w1 : _mm512_setzero_si512();
-    }
-    store_group_tile(rows, strip + g * kTileRows * kGroup);
-  }
-}
-
-void make_strip(const Q8Format& f, int64_t n0, int64_t outputs, bf16* strip) {
-  __m512i rows[16];
-  for (int64_t g = 0; g < f.groups; ++g) {
-    for (int64_t r = 0; r < kTileRows; ++r) {
-      if (r >= outputs) {
-        rows[r] = _mm512_setzero_si512();
-        continue;
-      }
-      const auto [lo, hi] = f.group16(n0 + r, g);
-      const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);  // to nearest even, as in rows_bf16
-      rows[r] = reinterpret_cast<const __m512i&>(w);
-    }
-    store_group_tile(rows, strip + g * kTileRows * kGroup);
-  }
-}
+// --- dense bf16 weights packed at load: the activations as the A tiles ----------------------
+// The same products in the same order with the roles swapped: the activations are read in place
+// as A tiles (16 rows x 32 K) and the weights, packed once into VNNI B tiles (pairs of K for 16
+// outputs), stream past them; C tiles [rows][outputs] are stored row by row.
 
 // One pass over two row blocks of the activations (A tiles 4, 5, read in place: 16 rows x 32
 // K) and two strips (B tiles 6, 7): C tile 2 * b + s = row block b . strip s, over every group
@@ -654,32 +587,15 @@ void store_rows(const float* c, bf16* y, int64_t n_out, int64_t rows, int64_t ou
     _mm256_mask_storeu_epi16(y + m * n_out, valid, round_to_bf16(_mm512_loadu_ps(c + m * kTileRows)));
 }
 
-// Dense bf16 weights packed once at load as the strips make_strip would make (linear.py's
-// `TileLinear`: [N/32 pairs of strips][K/32][16 pairs of K][16 outputs][2], zero past N).
+// Dense bf16 weights as linear.py's `TileLinear` packs them: [N/32 pairs of strips][K/32][16
+// pairs of K][16 outputs][2], zero past N.
 struct PackedStrips {
   const bf16* strips;
 };
-constexpr int64_t kChunkBlocks = 16;  // 256 activation rows (1 MB at K = 2048) per sweep over packed strips
+constexpr int64_t kChunkBlocks = 16;  // 256 activation rows (1 MB at K = 2048) per sweep over the strips
 
-// The two strips from output strip s0: made into `buffer` (groups), or read in place (packed).
-template <class Fmt>
-const bf16* strip_pair(const Fmt& f, int64_t s0, int64_t n_out, int64_t strip_size, bf16* buffer) {
-  const auto outputs_of = [&](int64_t nb) { return std::max<int64_t>(0, std::min(kTileRows, n_out - nb * kTileRows)); };
-  make_strip(f, s0 * kTileRows, outputs_of(s0), buffer);
-  make_strip(f, (s0 + 1) * kTileRows, outputs_of(s0 + 1), buffer + strip_size);
-  return buffer;
-}
-template <>
-const bf16* strip_pair(const PackedStrips& f, int64_t s0, int64_t, int64_t strip_size, bf16*) {
-  return f.strips + s0 * strip_size;
-}
-
-template <class Fmt>
-at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
+at::Tensor linear_amx_packed(const PackedStrips& f, const at::Tensor& x, int64_t n_out) {
   TORCH_CHECK(amx_unavailable_reason().empty(), "AMX kernel unavailable: ", amx_unavailable_reason());
-  if constexpr (!std::is_same_v<Fmt, PackedStrips>) {
-    if (x.size(0) <= kFewRows) return linear_amx_few(f, x, n_out);
-  }
   const int64_t rows = x.size(0), k = x.size(1), blocks = (rows + kTileRows - 1) / kTileRows;
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return y;
@@ -693,18 +609,14 @@ at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
   const auto outputs_of = [&](int64_t nb) { return std::max<int64_t>(0, std::min(kTileRows, n_out - nb * kTileRows)); };
   at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
-    thread_local std::vector<bf16> buffer;  // two strips of B tiles, where they are made
-    if constexpr (!std::is_same_v<Fmt, PackedStrips>) buffer.resize(2 * strip_size);
     alignas(64) float c[4][kTileRows * kTileRows];
-    // Packed strips cost nothing to revisit: rows go in chunks whose activations stay in L2
-    // across the strips (all at once, each activation tile is read again for every strip pair).
-    constexpr bool packed = std::is_same_v<Fmt, PackedStrips>;
-    const int64_t chunk = packed ? kChunkBlocks : blocks;
-    for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
+    // Rows go in chunks whose activations stay in L2 across the strips (all at once, each
+    // activation tile would be read again for every strip pair).
+    for (int64_t c0 = 0; c0 < blocks; c0 += kChunkBlocks) {
       for (int64_t pr = begin; pr < end; ++pr) {
         const int64_t s0 = 2 * pr;
-        const bf16* pair = strip_pair(f, s0, n_out, strip_size, buffer.data());
-        for (int64_t b0 = c0; b0 < std::min(blocks, c0 + chunk); b0 += 2) {
+        const bf16* pair = f.strips + s0 * strip_size;
+        for (int64_t b0 = c0; b0 < std::min(blocks, c0 + kChunkBlocks); b0 += 2) {
           const int64_t pass = std::min<int64_t>(2, blocks - b0);
           const bf16* xb = xp + b0 * kTileRows * k;
           if (pass == 2)
@@ -742,6 +654,9 @@ const std::string& amx_unavailable_reason() {
 
 template <class Fmt>
 at::Tensor linear_amx(const Fmt&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "AMX kernel unavailable: ", amx_unavailable_reason());
+}
+at::Tensor linear_amx_packed(const PackedStrips&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "AMX kernel unavailable: ", amx_unavailable_reason());
 }
 #endif
@@ -786,7 +701,7 @@ at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& strips, int64_
   TORCH_CHECK(x.dim() == 2 && strips.dim() == 5 && strips.is_contiguous() && strips.size(1) * 32 == x.size(1) &&
                   strips.size(0) * 16 >= n_out && strips.size(0) % 2 == 0,
               "bf16_linear_amx: strips must be [N/16 (even), K/32, 16, 16, 2] for x [M, K]");
-  return linear_amx(PackedStrips{reinterpret_cast<const bf16*>(strips.data_ptr<at::BFloat16>())}, x, n_out);
+  return linear_amx_packed(PackedStrips{reinterpret_cast<const bf16*>(strips.data_ptr<at::BFloat16>())}, x, n_out);
 }
 
 at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {

@@ -39,12 +39,12 @@ HEAD_AMX_MAX_ROWS_BF16 = HEAD_MAX_ROWS_BF16
 LANES_MAX_ROWS_BF16 = 8  # the batch-invariant lanes kernels (their bits equal the dense GEMM's)
 # Batch-invariant with AMX: oneDNN's bf16 GEMM sums K on AMX tiles in one chain up to 32 rows
 # (`linear.AgreeingBuckets`), as the AMX tile kernel does at every row count, while the lanes
-# kernels' vdpbf16ps adds each K pair in the other order; so the tile kernel serves the groups,
-# up to 512 rows (a layer of the bundled model, 2 threads: 9.3 ms for 30 layers' projections at
-# 1 row vs oneDNN's 15.8; 0.67 vs 1.0 ms at 128 rows, where oneDNN runs 32-row chunks; 2.3 vs 2.5
-# at 512; oneDNN's 4.3 vs 4.5 at 1,024). The LM head stays dense (oneDNN 1.4 ms at 1 row, the
-# tile kernel 1.9: its bf16 copy stays in L3).
-TILES_MAX_ROWS_BF16 = 512
+# kernels' vdpbf16ps adds each K pair in the other order; so the tile kernel serves the groups
+# up to 32 rows (30 layers of the bundled model's projections, 2 threads: 9.3 ms at 1 row vs
+# oneDNN's 15.8) and the dense copy, on the same kernel (`TileLinear`), larger batches (0.29 vs
+# 0.45 ms a layer at 64 rows, 1.8 vs 2.2 at 512). The LM head stays on oneDNN (1.4 ms at 1 row,
+# the tile kernel 1.9: its bf16 copy stays in L3).
+TILES_MAX_ROWS_BF16 = 32
 LANES_HEAD_MAX_ROWS_BF16 = 4
 # float32 lanes kernels (AVX2 Zen 3, one thread, a shared box): the bundled model's four
 # projections of a layer take 0.54-0.70 ms at 1 row (dense 2.3-3.0, the per-row-count kernel
@@ -205,12 +205,10 @@ def lanes_groups(
 
 def tile_groups(dense: nn.Module, groups: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
     """`groups` where the AMX tile kernel's results on bf16 rows equal `dense`'s (the batch-
-    invariant oneDNN GEMM) bit for bit on probe rows, in both its forms (few rows: the weights
-    as A tiles; more: the activations), else None (the projection stays dense)."""
+    invariant oneDNN GEMM or `TileLinear`) bit for bit on probe rows, else None (the projection
+    stays dense)."""
     n, k = groups[1].shape[0], groups[1].shape[1] * GROUP
     gen = torch.Generator().manual_seed(n * 7919 + k)
-    x = torch.randn(PROBE_ROWS, k, generator=gen).bfloat16()
+    x = torch.randn(TILES_MAX_ROWS_BF16, k, generator=gen).bfloat16()
     kernel = torch.ops.kvpool.q4_linear_amx if len(groups) == 3 else torch.ops.kvpool.q8_linear_amx
-    want = dense(x)
-    few = PROBE_ROWS // 3
-    return groups if torch.equal(kernel(x[:few], *groups), want[:few]) and torch.equal(kernel(x, *groups), want) else None
+    return groups if torch.equal(kernel(x, *groups), dense(x)) else None
