@@ -252,6 +252,24 @@ class BlockPool:
                 if stored is not None:
                     stored.append(h)
 
+    def unregister(self, block_ids: Sequence[int]) -> int:
+        """Take blocks out of the prefix cache: their KV is not what their hash names (a rewind,
+        core/rewind.py). One in use stays in use; a cached one (ref_count 0) becomes free. No
+        eviction event is recorded: a write-back store saves evicted blocks, and these hold bad
+        KV. Returns how many had a hash."""
+        ref, hashes, tokens = self.ref_counts, self.block_hashes, self.block_tokens
+        dropped = [b for b in dict.fromkeys(block_ids) if hashes[b] is not None]
+        idle = [b for b in dropped if ref[b] == 0]
+        self._evictable.remove_many(idle)
+        for b in dropped:
+            del self._cached[hashes[b]]
+            hashes[b] = None
+            self.block_salts[b] = None
+        for b in idle:
+            tokens[b] = 0
+        self._free.extend(idle)
+        return len(dropped)
+
     def touch(self, block_id: int) -> None:
         """A cached-evictable block was looked up again (LRU refresh, LFU count)."""
         if block_id in self._evictable:

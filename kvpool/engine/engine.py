@@ -305,7 +305,7 @@ class Engine:
         rows = out.sampling
         sampled = self.sampler.sample(rows, logits, self._failed)
         sampled_at = time.monotonic()
-        touched = {s.group.request_id: s.group for s in rows}
+        touched = {s.group.request_id: s.group for s in rows if not s.rewound}  # a rewound row runs again
         self._fail_marked(touched)
         try:
             finished = {g.request_id for g in sched.postprocess(

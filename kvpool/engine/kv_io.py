@@ -11,12 +11,16 @@ thread (their slots may be reused by the next step) and encode/write on store wo
 Write-through saves every block once its KV is computed; write-back saves a block only
 when the device evicts it.
 
-Layer-wise (`layerwise`): a landed load is read and checked whole (header and every layer's CRC),
-and reported, as above, but its device blocks are decoded (where decoding cannot fail once
-checked: raw, int8, int4) and written during the next forward pass, one layer at a time on a loader
-thread (kvpool/engine/layerwise.py), the model waiting for layer l before computing it; the
-plan is kvpool/sched/layerwise.py's. Writes whose blocks the next step moves first (a swap-out
-or copy-on-write source) or that no forward will run for are made whole before the step.
+Layer-wise (`layerwise`): a landed load has only each block's header and per-layer table read
+and checked (`layerwise_reads`, tiers that read ranges: host, disk; other tiers' blocks are read and
+checked whole), and is reported as above; during the next forward pass a loader thread reads,
+checks, decodes and writes its blocks one layer at a time (kvpool/engine/layerwise.py,
+layer_reads.py), the model waiting for layer l before computing it; the plan is
+kvpool/sched/layerwise.py's. A layer that fails there has already been attended to: the sequence
+is rewound to the failed block after the forward (`Scheduler.rewind`: its row is dropped, its
+tokens from there recomputed, a miss of reason `integrity`), the step's other rows unaffected.
+Writes whose blocks the next step moves first (a swap-out or copy-on-write source) or that no
+forward will run for are read and written whole before the step (rewound the same way).
 
 Load or recompute (`plan_loads`): the connector is the scheduler's `LoadCosts`. It times every
 forward pass against its tokens (the prefill cost, an online line) and hands the store's per-tier
@@ -43,6 +47,7 @@ from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_groups import NO_BLOCK
 from kvpool.core.load_plan import LinearEstimate, LoadEstimates
 from kvpool.core.miss_reasons import INTEGRITY, LOAD_FAILED, MissLedger
+from kvpool.engine.layer_reads import LayerReads
 from kvpool.engine.layerwise import LayerwiseWriter
 from kvpool.engine.runner import ModelRunner
 from kvpool.sched.layerwise import LayerwisePlan, plan_layerwise
@@ -57,6 +62,7 @@ class KVStoreConnector:
                  load_timeout_s: float = 10.0, layerwise: bool = False, plan_loads: bool = True) -> None:
         self.store = store
         self.layerwise = layerwise
+        self.layerwise_reads = layerwise and runner.groups.num_groups == 1  # rewinds need one layer group
         self.load_timeout_s = load_timeout_s
         self.runner = runner
         self.scheduler = scheduler
@@ -67,9 +73,11 @@ class KVStoreConnector:
         self._pending_stored: list[BlockHash] = []
         self._staged: list[tuple[KVLoad, list[np.ndarray]]] = []  # checked, reported, not yet written
         self._writer: LayerwiseWriter | None = None
+        self._reads: tuple[LayerReads, list[KVLoad], SchedulerOutput] | None = None  # the writer's
         self.last_layerwise: LayerwiseWriter | None = None  # the latest step's loader (its trace)
         self.loaded_blocks = 0
         self.failed_loads = 0
+        self.rewound_loads = 0  # loads whose sequence was rewound: a layer failed under the forward
         self.timed_out_loads = 0
         self.saved_blocks = 0
         self.load_stall_s = 0.0  # engine-thread time spent waiting for loaded KV to be written
@@ -123,8 +131,9 @@ class KVStoreConnector:
         if self.write_back and events.evicted:
             self._save(list(zip(events.evicted, events.evicted_block_ids, strict=True)))
         self._start_layerwise(out)
+        layered = self.layerwise and self.layerwise_reads
         for load in out.kv_loads:
-            self._inflight.append((load, self.store.load_async(load.hashes, deferred=self.layerwise)))
+            self._inflight.append((load, self.store.load_async(load.hashes, self.layerwise, layered)))
         tokens = sum(s.num_new_tokens for s in out.scheduled)
         self._forward = (time.monotonic(), tokens, self._store_wait_s()) if tokens else None
 
@@ -162,11 +171,14 @@ class KVStoreConnector:
         """The forward pass ended (`ran`) or failed: wait until every layer has landed, so no
         block of the plan is read, swapped or reused half-written."""
         writer, self._writer = self._writer, None
+        reads, self._reads = self._reads, None
         if writer is not None:
             self.runner.model.before_layer = None
             start = time.perf_counter()
             writer.join(check_waited=ran)
             self.load_stall_s += writer.stall_s + time.perf_counter() - start
+        if reads is not None and ran:  # a failed forward fails its requests: nothing to rewind
+            self._settle(*reads)
         forward, self._forward = self._forward, None
         if forward is not None and ran:  # compute alone: a slow tier's reads must not price recomputing
             start, tokens, waited = forward
@@ -199,16 +211,40 @@ class KVStoreConnector:
             if kept is not None:
                 now.append(_only(load, blocks, kept))  # before the swap-out copies them to the host
         if now:
-            plan, blocks = self._plan(now)
-            self._write(plan.block_ids, blocks)
+            reads = LayerReads(*self._plan(now), self.store)
+            start = time.perf_counter()
+            for layer in reads.plan.layers():
+                self._write_layer(layer, *self._device_ids(reads.layer(layer)))
+            self.load_stall_s += time.perf_counter() - start
+            self._settle(reads, [load for load, _ in now], out)
         if not layered:
             return
-        plan, blocks = self._plan(layered)
-        ids = torch.tensor(plan.block_ids, dtype=torch.long, device=self.runner.device)
-        self._writer = LayerwiseWriter(plan, lambda layer: self._write_layer(layer, ids, blocks), self.runner.device)
+        reads = LayerReads(*self._plan(layered), self.store)
+        self._reads = (reads, [load for load, _ in layered], out)
+        self._writer = LayerwiseWriter(reads.plan, lambda layer: self._write_layer(
+            layer, *self._device_ids(reads.layer(layer))), self.runner.device)
         self.last_layerwise = self._writer
         self.runner.model.before_layer = self._writer.wait
         self._writer.start()
+
+    def _device_ids(self, layer: tuple[list[int], list[np.ndarray]]) -> tuple[torch.Tensor, list[np.ndarray]]:
+        ids, blocks = layer
+        return torch.tensor(ids, dtype=torch.long, device=self.runner.device), blocks
+
+    def _settle(self, reads: LayerReads, loads: list[KVLoad], out: SchedulerOutput) -> None:
+        """The reads are over: a load whose block j failed has its sequence rewound to that block
+        (its blocks from there are computed again, and saved again: the store dropped the bad one)."""
+        reads.finish()
+        B = self.scheduler.kv.block_size
+        for i, (j, why) in reads.failed.items():
+            load = loads[i]
+            self.scheduler.rewind(load.group, load.seq, (load.start_block + j) * B, out, why)
+            self._loaded.difference_update(load.hashes[j:])
+            self._held.difference_update(load.hashes[j:])
+            lost = sum(w.load == i for w in reads.plan.writes) - j
+            self.loaded_blocks -= lost
+            self.failed_loads += lost
+            self.rewound_loads += 1
 
     def _plan(self, staged: list[tuple[KVLoad, list[np.ndarray]]]) -> tuple[LayerwisePlan, list[np.ndarray]]:
         groups = self.runner.groups
@@ -250,14 +286,16 @@ class KVStoreConnector:
         start = time.perf_counter()
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.runner.device)
         for layer in range(len(self.runner.kv_slots)):
-            self._write_layer(layer, ids, blocks)
+            self._write_layer(layer, ids, [b[layer] for b in blocks])
         self.load_stall_s += time.perf_counter() - start
 
-    def _write_layer(self, layer: int, ids: torch.Tensor, blocks: list[np.ndarray]) -> None:
-        """Block layer `layer`'s K and V of each stored block `[L, 2, B, H, D]` into device blocks
-        `ids` (a block holds its layer group's L layers, in the group_size shared slots)."""
+    def _write_layer(self, layer: int, ids: torch.Tensor, layers: list[np.ndarray]) -> None:
+        """Block layer `layer`'s K and V of stored blocks (`layers`: each one's `[2, B, H, D]`) into
+        device blocks `ids` (a block holds its layer group's layers, in the group_size shared slots)."""
+        if not layers:
+            return
         k, v = self.runner.kv_slots[layer]
-        data = _from_store(torch.from_numpy(np.stack([b[layer] for b in blocks])), k.dtype)  # [n, 2, B, H, D]
+        data = _from_store(torch.from_numpy(np.stack(layers)), k.dtype)  # [n, 2, B, H, D]
         data = data.to(k.device, k.dtype, non_blocking=True)
         k.index_copy_(0, ids, data[:, 0])
         v.index_copy_(0, ids, data[:, 1])

@@ -31,7 +31,8 @@ class RowSampler:
         sampled: list[Sample | None] = [None] * len(rows)
         plain, beam = [], []
         for i, s in enumerate(rows):
-            (beam if s.group.beam is not None else plain).append(i)
+            if not s.rewound:  # its KV was bad (Scheduler.rewind): it runs again, nothing drawn now
+                (beam if s.group.beam is not None else plain).append(i)
         if plain:
             try:
                 self._plain(rows, plain, logits, sampled)

@@ -192,11 +192,21 @@ class Admission:
                 self._settle_store_hit(load, position)
             self.kv.drop_behind(load.seq.seq_id, load.seq.num_computed_tokens)
 
+    def rewind_store_hit(self, group: SequenceGroup, seq: Sequence, position: int, why: str) -> None:
+        """A store hit `seq` already computes from turned out good only up to `position` (a block
+        failed its check under the forward): it ends there, the rest a miss for reason `why`."""
+        if group.prompt_sources is not None:
+            group.prompt_sources.short_reason = why
+        self._settle(group, seq, position)
+
     def _settle_store_hit(self, load: KVLoad, position: int) -> None:
         """The sequence's store hit ends at `position`: compute from there."""
-        self.num_external_hit_tokens -= load.seq.num_computed_tokens - position
-        load.seq.num_computed_tokens = position
-        if load.group.num_preemptions == 0:  # usage reports what was reused, not what was planned
-            load.group.num_cached_prompt_tokens = min(load.group.num_cached_prompt_tokens, position)
-            if load.group.prompt_sources is not None:
-                load.group.prompt_sources.settle(position // self.kv.block_size)
+        self._settle(load.group, load.seq, position)
+
+    def _settle(self, group: SequenceGroup, seq: Sequence, position: int) -> None:
+        self.num_external_hit_tokens -= seq.num_computed_tokens - position
+        seq.num_computed_tokens = position
+        if group.num_preemptions == 0:  # usage reports what was reused, not what was planned
+            group.num_cached_prompt_tokens = min(group.num_cached_prompt_tokens, position)
+            if group.prompt_sources is not None:
+                group.prompt_sources.settle(position // self.kv.block_size)

@@ -18,7 +18,8 @@ class ScheduledSeq:
     """Compute `num_new_tokens` of `seq` from position `start`; `samples` when the step
     reaches the end of its known tokens and so yields the next token. `num_samples` tokens
     are wanted from that row: n on the first sample of an n-sample group (the core forks
-    it), else 1 (0 for a prefill chunk that does not sample)."""
+    it), else 1 (0 for a prefill chunk that does not sample). `rewound`: the driver found KV
+    this row read bad (`Scheduler.rewind`): nothing of the row is committed or sampled."""
 
     group: SequenceGroup
     seq: Sequence
@@ -26,6 +27,7 @@ class ScheduledSeq:
     num_new_tokens: int
     samples: bool
     num_samples: int = 0
+    rewound: bool = False
 
 
 @dataclass(slots=True)

@@ -27,9 +27,10 @@ from collections import deque
 from collections.abc import Iterable
 
 from kvpool.core.kv_manager import KVCacheManager
-from kvpool.core.miss_reasons import LOAD_FAILED
+from kvpool.core.miss_reasons import INTEGRITY, LOAD_FAILED
 from kvpool.core.retention import retain_hashes
-from kvpool.errors import InvalidRequest
+from kvpool.core.rewind import rewind as rewind_kv
+from kvpool.errors import InvalidRequest, KVStateError
 from kvpool.sched.admission import Admission
 from kvpool.sched.beam import BeamSearch
 from kvpool.sched.config import SchedulerConfig
@@ -189,6 +190,21 @@ class Scheduler:
         (`Admission.finish_kv_load`)."""
         self.admission.finish_kv_load(load, num_loaded, why)
 
+    def rewind(self, group: SequenceGroup, seq: Sequence, num_tokens: int, out: SchedulerOutput | None = None,
+               why: str = INTEGRITY) -> None:
+        """`seq`'s store hit is good only up to token `num_tokens` (a block failed its check while
+        `out`'s forward read it, layer by layer): its KV from there is taken back (core/rewind.py)
+        and computed again from a later step. Its row in `out` is `rewound`: nothing of it is
+        committed or appended (its sample came from bad KV). The tokens lost count as `why` misses."""
+        if not 0 <= num_tokens <= seq.num_computed_tokens:
+            raise KVStateError(f"cannot rewind sequence {seq.seq_id} to token {num_tokens}: "
+                               f"{seq.num_computed_tokens} are computed")
+        rewind_kv(self.kv, seq.seq_id, num_tokens)
+        for s in out.scheduled if out is not None else ():
+            if s.seq is seq:
+                s.rewound = True
+        self.admission.rewind_store_hit(group, seq, num_tokens, why)
+
     # -- the step --------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Who runs this step and with which blocks (tables valid until `postprocess`). `now`,
@@ -273,7 +289,7 @@ class Scheduler:
         append = self.stops.append
         for s, smp in zip(out.sampling, sampled, strict=True):
             seq = s.seq
-            if smp is None or seq.status is SeqStatus.FINISHED:
+            if smp is None or seq.status is SeqStatus.FINISHED or s.rewound:
                 continue
             g = s.group
             if g.beam is not None:
@@ -304,7 +320,7 @@ class Scheduler:
         commit = self.kv.commit
         for s in out.scheduled:
             seq = s.seq
-            if seq.status is SeqStatus.FINISHED:
+            if seq.status is SeqStatus.FINISHED or s.rewound:
                 continue
             seq.num_computed_tokens = computed = s.start + s.num_new_tokens
             commit(seq.seq_id, seq.token_ids, computed)

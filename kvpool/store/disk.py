@@ -129,6 +129,27 @@ class DiskTier:
                 self._stats.bytes_read += len(data)
             return data
 
+    def get_range(self, key: StoreKey, offset: int, length: int) -> tuple[bytes, int] | None:
+        """Part of a block file (tier.RangeReads), with the checks of `get`; a read from offset
+        0 counts as the hit (and refreshes the block in the eviction order)."""
+        size = self._sizes.get(key)
+        data, problem = (None, "gone") if size is None else self._read(key, size, offset, length)
+        if data is None:
+            if problem != "gone":
+                self._drop(key, problem)
+            else:
+                self._forget(key)
+            if offset == 0:
+                self._stats.misses += 1
+            return None
+        with self._lock:
+            if offset == 0:
+                if key in self._policy:
+                    self._policy.touch(key)
+                self._stats.hits += 1
+            self._stats.bytes_read += len(data)
+        return data, size
+
     def put(self, key: StoreKey, data: bytes) -> bool:
         with self._stats.timed_store():
             if key in self._sizes:
@@ -188,8 +209,9 @@ class DiskTier:
                 self._dir = -1
 
     # -- files -----------------------------------------------------------------------------
-    def _read(self, key: StoreKey, size: int) -> tuple[bytes | None, str]:
-        """The file's bytes, or None and why not (`gone`, or a bad-entry reason)."""
+    def _read(self, key: StoreKey, size: int, offset: int = 0, length: int | None = None) -> tuple[bytes | None, str]:
+        """The file's bytes (`length` of them from `offset`; all by default), or None and why not
+        (`gone`, or a bad-entry reason)."""
         if self.max_value_bytes is not None and size > self.max_value_bytes:
             return None, "size"
         try:
@@ -204,6 +226,8 @@ class DiskTier:
                 return None, "not_regular"
             if st.st_size != size:
                 return None, "size"
+            if length is not None:
+                return _pread(fd, offset, min(length, max(0, size - offset))), ""
             chunks, left = [], size + 1  # one byte more than expected: a file that grew is bad too
             while left > 0 and (chunk := os.read(fd, left)):
                 chunks.append(chunk)
@@ -262,6 +286,16 @@ class DiskTier:
             if size is not None:
                 self._policy.remove(key)
                 self._stats.used_bytes -= size
+
+
+def _pread(fd: int, offset: int, length: int) -> bytes:
+    """`length` bytes at `offset` (fewer only if the file shrank meanwhile)."""
+    chunks = []
+    while length > 0 and (chunk := os.pread(fd, length, offset)):
+        chunks.append(chunk)
+        offset += len(chunk)
+        length -= len(chunk)
+    return b"".join(chunks)
 
 
 def _open_own_dir(root: Path) -> int:

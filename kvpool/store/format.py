@@ -200,8 +200,63 @@ def check_block(
 ) -> CheckedBlock:
     """Every check of `decode_block` (header, names, each layer's length and CRC), no decoding."""
     view = memoryview(data)
-    if len(view) < _FIXED.size:
-        raise CorruptBlock("short", f"block is {len(view)} bytes, shorter than the {_FIXED.size}-byte header")
+    head = check_head(view, len(view), expected_namespace, expected_shape, expected_dtype, expected_id, accept)
+    chunks = tuple(view[at : at + length] for at, length, _ in head.layers)
+    for i, chunk in enumerate(chunks):
+        head.check_layer(i, chunk)
+    return CheckedBlock(head.codec, chunks, head.shape, head.dtype, view[head.size :])
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHead:
+    """A value's header and per-layer table, checked: where each layer's stored bytes are
+    (`layers`: offset from the value's start, length, CRC32), so one layer can be read and
+    checked (`check_layer`) without the others."""
+
+    codec: Codec
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    size: int  # bytes of the header and the table: the first layer starts here
+    layers: tuple[tuple[int, int, int], ...]
+
+    def check_layer(self, i: int, chunk: bytes | memoryview) -> None:
+        """CorruptBlock unless `chunk` is layer i's stored bytes (length and CRC)."""
+        _, length, crc = self.layers[i]
+        if len(chunk) != length:
+            raise CorruptBlock("length", f"layer {i} is {len(chunk)} bytes, the table says {length}")
+        if zlib.crc32(chunk) != crc:
+            raise CorruptBlock("checksum", f"layer {i} checksum mismatch")
+
+
+def head_size(namespace: str, block_id: bytes, shape: tuple[int, ...], dtype: np.dtype | str) -> int:
+    """Bytes of the header and table of a value holding this block (what a layer-wise reader
+    reads first; a value of another block or layout may have another size, and fails its checks)."""
+    return (_FIXED.size + 8 * len(shape) + len(np.dtype(dtype).str) + len(block_id) + len(namespace.encode())
+            + _CHUNK.size * _chunks(shape))
+
+
+def declared_head_size(prefix: bytes | memoryview) -> int | None:
+    """The header and table size a value's first bytes declare (None: too short to say)."""
+    if len(prefix) < _FIXED.size:
+        return None
+    _, _, _, ndim, dtype_len, id_len, ns_len, nchunks = _FIXED.unpack_from(prefix)[:8]
+    return _FIXED.size + 8 * ndim + dtype_len + id_len + ns_len + _CHUNK.size * nchunks
+
+
+def check_head(
+    prefix: bytes | memoryview,
+    total_len: int,
+    expected_namespace: str,
+    expected_shape: tuple[int, ...],
+    expected_dtype: np.dtype | str,
+    expected_id: bytes,
+    accept: str = "exact",
+) -> BlockHead:
+    """The header checks of `check_block` on a value's first bytes (`prefix`, at least its header
+    and table) and its length (`total_len`); the layers' CRCs are left to `BlockHead.check_layer`."""
+    view = memoryview(prefix)
+    if min(len(view), total_len) < _FIXED.size:
+        raise CorruptBlock("short", f"block is {total_len} bytes, shorter than the {_FIXED.size}-byte header")
     magic, version, codec_id, ndim, dtype_len, id_len, ns_len, nchunks, stored_len, raw_len, crc = \
         _FIXED.unpack_from(view)
     if magic != MAGIC:
@@ -209,8 +264,10 @@ def check_block(
     if version != FORMAT_VERSION:
         raise CorruptBlock("version", f"format version {version}, this reader knows {FORMAT_VERSION}")
     var_len = 8 * ndim + dtype_len + id_len + ns_len + _CHUNK.size * nchunks
-    if len(view) != _FIXED.size + var_len + stored_len:
-        raise CorruptBlock("length", f"block is {len(view)} bytes, header says {_FIXED.size + var_len + stored_len}")
+    if total_len != _FIXED.size + var_len + stored_len:
+        raise CorruptBlock("length", f"block is {total_len} bytes, header says {_FIXED.size + var_len + stored_len}")
+    if len(view) < _FIXED.size + var_len:
+        raise ValueError(f"{len(view)} bytes read of a {_FIXED.size + var_len}-byte header")
     variable = view[_FIXED.size : _FIXED.size + var_len]
     if zlib.crc32(variable, zlib.crc32(view[:_CRC_OFFSET])) != crc:
         raise CorruptBlock("checksum", "header checksum mismatch")
@@ -239,21 +296,18 @@ def check_block(
         raise CorruptBlock("codec", f"unknown codec id {codec_id}")
     if codec.quant is not None and scheme(codec) != accept:
         raise CorruptBlock("lossy", f"a {codec.name} block (quantized KV); this reader takes {accept} KV")
-    chunks = []
-    pos = _FIXED.size + var_len
     layer_shape = tuple(shape[1:]) if ndim >= 2 else (int(np.prod(shape, dtype=np.int64)),)
     plain = codec.plain_size(layer_shape, dtype.itemsize) if codec.entropy == "none" else None
+    layers = []
+    pos = _FIXED.size + var_len
     for i in range(nchunks):
         length, chunk_crc = _CHUNK.unpack_from(variable, at + i * _CHUNK.size)
-        chunk = view[pos : pos + length]
-        pos += length
-        if len(chunk) != length:
+        if pos + length > total_len:
             raise CorruptBlock("length", f"layer {i} overruns the payload")
         if plain is not None and length != plain:
             raise CorruptBlock("length", f"layer {i} is {length} bytes, {codec.name} needs {plain}")
-        if zlib.crc32(chunk) != chunk_crc:
-            raise CorruptBlock("checksum", f"layer {i} checksum mismatch")
-        chunks.append(chunk)
-    if pos != len(view):
+        layers.append((pos, length, chunk_crc))
+        pos += length
+    if pos != total_len:
         raise CorruptBlock("length", f"layers hold {pos - _FIXED.size - var_len} bytes, header names {stored_len}")
-    return CheckedBlock(codec, tuple(chunks), tuple(shape), dtype, view[_FIXED.size + var_len :])
+    return BlockHead(codec, tuple(shape), dtype, _FIXED.size + var_len, tuple(layers))

@@ -56,6 +56,21 @@ class HostTier:
             self._stats.bytes_read += len(data)
             return data
 
+    def get_range(self, key: StoreKey, offset: int, length: int) -> tuple[bytes, int] | None:
+        """Part of a value (tier.RangeReads); a read from offset 0 counts as the hit."""
+        with self._lock:
+            data = self._blocks.get(key)
+            if data is None:
+                if offset == 0:
+                    self._stats.misses += 1
+                return None
+            part = data[offset : offset + length]
+            if offset == 0:
+                self._policy.touch(key)
+                self._stats.hits += 1
+            self._stats.bytes_read += len(part)
+            return part, len(data)
+
     def put(self, key: StoreKey, data: bytes) -> bool:
         evicted: list[tuple[StoreKey, bytes]] = []
         with self._lock, self._stats.timed_store():

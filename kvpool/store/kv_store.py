@@ -50,8 +50,9 @@ from kvpool.store.format import (
     encode_block,
     max_encoded_size,
 )
+from kvpool.store.layered import LayeredBlock, open_layered
 from kvpool.store.retained import TierRetention
-from kvpool.store.tier import StoreKey, Tier, TierStats
+from kvpool.store.tier import RangeReads, StoreKey, Tier, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class TieredKVStore:
         self._read_at: dict[str, float] = {}  # tier -> time.monotonic() of its last measured read
         self._read_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore")
-        self._pending: set[Future[bool]] = set()
+        self._pending: set[Future] = set()  # saves and promotions
         if write_policy == "write-back":
             for upper, lower in zip(self.tiers, self.tiers[1:], strict=False):
                 if hasattr(upper, "on_evict"):
@@ -157,25 +158,35 @@ class TieredKVStore:
                 break
         return pos, where
 
-    def load(self, hashes: Sequence[BlockHash], deferred: bool = False) -> list[np.ndarray | CheckedBlock]:
+    def load(self, hashes: Sequence[BlockHash], deferred: bool = False,
+             layered: bool = False) -> list[np.ndarray | CheckedBlock | LayeredBlock]:
         """Blocks of the longest loadable prefix of `hashes` (stops at the first miss).
 
         Each array has `block_shape` and `dtype` and is read-only; copy it into the KV cache.
         `deferred`: a block whose decoding cannot fail once checked comes back checked but not
         decoded (`CheckedBlock`: `block[l]` decodes layer l), for a reader that decodes layer by
-        layer later (the layer-wise load, under the forward).
+        layer later (the layer-wise load, under the forward). `layered`: a block in a tier that
+        reads ranges comes back with only its header read and checked (`LayeredBlock`: `block[l]`
+        reads and checks layer l; tell the store how it went with `finish_layered` or
+        `reject_layered`); one in another tier as with `deferred`.
         """
-        out: list[np.ndarray | CheckedBlock] = []
+        out: list[np.ndarray | CheckedBlock | LayeredBlock] = []
         for h in hashes:
-            block = self._load_one(h, deferred)
+            block = self._load_one(h, deferred or layered, layered)
             if block is None:
                 break
             out.append(block)
         return out
 
-    def _load_one(self, block_hash: BlockHash, deferred: bool = False) -> np.ndarray | CheckedBlock | None:
+    def _load_one(self, block_hash: BlockHash, deferred: bool = False,
+                  layered: bool = False) -> np.ndarray | CheckedBlock | LayeredBlock | None:
         for i, tier in enumerate(self.tiers):
             key = self.key(block_hash, tier.name)
+            if layered and isinstance(tier, RangeReads):
+                opened = self._open_layered(i, block_hash)
+                if opened is not None:
+                    return opened
+                continue
             start = time.monotonic()
             data = self._guard(tier, "get", tier.get, key)
             if data is None:
@@ -186,13 +197,7 @@ class TieredKVStore:
                 block = checked if deferred and checked.deferrable else checked.array()
                 self._measured(tier.name, len(data), start)
             except CorruptBlock as exc:
-                log.warning("tier %s: dropping unreadable block %s (%s): %s", tier.name, key, exc.reason, exc)
-                bad = self._bad[tier.name]
-                bad[exc.reason] = bad.get(exc.reason, 0) + 1
-                if len(self.recent_corrupt) >= 4096:
-                    self.recent_corrupt.clear()
-                self.recent_corrupt.add(block_hash)
-                self._guard(tier, "delete", tier.delete, key)
+                self._reject(tier, block_hash, exc)
                 continue
             quant = _data_scheme(data)
             if quant != "exact":
@@ -201,6 +206,62 @@ class TieredKVStore:
                 self._move(self.tiers[0], block_hash, block, data)
             return block
         return None
+
+    def _reject(self, tier: Tier, block_hash: BlockHash, exc: CorruptBlock) -> None:
+        """A value under `block_hash`'s key in `tier` failed a check: count it, remember the block
+        as corrupt (the miss reason `integrity`), delete it."""
+        key = self.key(block_hash, tier.name)
+        log.warning("tier %s: dropping unreadable block %s (%s): %s", tier.name, key, exc.reason, exc)
+        bad = self._bad[tier.name]
+        bad[exc.reason] = bad.get(exc.reason, 0) + 1
+        if len(self.recent_corrupt) >= 4096:
+            self.recent_corrupt.clear()
+        self.recent_corrupt.add(block_hash)
+        self._guard(tier, "delete", tier.delete, key)
+
+    def _open_layered(self, index: int, block_hash: BlockHash) -> LayeredBlock | None:
+        """Tier `index`'s value of the block with its header and table read and checked (None: a
+        miss there; a bad entry is counted and dropped)."""
+        tier = self.tiers[index]
+        key = self.key(block_hash, tier.name)
+
+        def read(offset: int, length: int) -> tuple[bytes, int] | None:
+            return self._guard(tier, "get_range", tier.get_range, key, offset, length)
+
+        try:
+            block = open_layered(read, tier.name, index, block_hash, self.namespace, self.block_shape, self.dtype,
+                                 self._scheme[tier.name])
+        except CorruptBlock as exc:
+            self._reject(tier, block_hash, exc)
+            return None
+        if block is not None and _data_scheme(block.prefix) != "exact":
+            self.lossy_loads[tier.name] += 1
+        return block
+
+    def finish_layered(self, block: LayeredBlock) -> None:
+        """Every layer of `block` was read and passed: measure the read, and promote the block
+        into the first tier (on a worker) as a whole-block load does."""
+        now = time.monotonic()
+        self._measured(block.tier, block.nbytes, now - block.elapsed_s)
+        data = block.value()
+        if block.tier_index > 0 and data is not None:
+            future = self._pool.submit(self._promote, block.block_hash, data, block.tier)
+            self._pending.add(future)
+            future.add_done_callback(self._pending.discard)
+
+    def reject_layered(self, block: LayeredBlock, exc: Exception) -> None:
+        """A layer of `block` failed its check (CorruptBlock: the entry is dropped and counted) or
+        could not be read (a miss: nothing to drop)."""
+        if isinstance(exc, CorruptBlock):
+            self._reject(self.tiers[block.tier_index], block.block_hash, exc)
+
+    def _promote(self, block_hash: BlockHash, data: bytes, tier: str) -> None:
+        try:
+            block = check_block(data, self.namespace, self.block_shape, self.dtype, block_hash, self._scheme[tier])
+        except CorruptBlock as exc:  # it passed layer by layer: only a bug gets here
+            log.warning("not promoting block %s read from tier %s: %s", block_hash.hex(), tier, exc)
+            return
+        self._move(self.tiers[0], block_hash, block, data)
 
     def _measured(self, tier: str, nbytes: int, start: float) -> None:
         now = time.monotonic()
@@ -243,9 +304,9 @@ class TieredKVStore:
         future.add_done_callback(self._pending.discard)
         return future
 
-    def load_async(self, hashes: Sequence[BlockHash], deferred: bool = False) -> Future[list]:
+    def load_async(self, hashes: Sequence[BlockHash], deferred: bool = False, layered: bool = False) -> Future[list]:
         """`load` on a worker thread, to overlap the read with compute."""
-        return self._pool.submit(self.load, list(hashes), deferred)
+        return self._pool.submit(self.load, list(hashes), deferred, layered)
 
     def flush(self) -> None:
         """Wait until every save queued so far has finished."""

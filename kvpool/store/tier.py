@@ -100,3 +100,13 @@ class Tier(Protocol):
 
     def close(self) -> None:
         """Release connections and files; the tier is unusable afterwards."""
+
+
+@runtime_checkable
+class RangeReads(Protocol):
+    """A tier that reads part of a value: a layer-wise reader reads a block's header and table,
+    then one layer at a time (kvpool/store/layered.py). A tier without it is read whole."""
+
+    def get_range(self, key: StoreKey, offset: int, length: int) -> tuple[bytes, int] | None:
+        """Up to `length` bytes of the value at `offset` (fewer where it ends) and the value's
+        whole size; None on a miss or an I/O failure. A read from offset 0 counts as the hit."""
