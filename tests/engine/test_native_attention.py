@@ -87,3 +87,34 @@ def test_peaked_softmax_where_most_weights_underflow():
         query.double(), k_cache.double(), v_cache.double(), meta, D**-0.5, (new_kv[0].double(), new_kv[1].double())
     )
     assert (native.double() - exact).abs().max().item() <= 1e-5
+
+
+def _rows(query, k_cache, v_cache, table, start: int, end: int, scale: float) -> torch.Tensor:
+    """Attention of the sequence's tokens start..end-1 as one chunk over keys 0..end-1."""
+    q = query[start:end]
+    out = torch.empty_like(q)
+    torch.ops.kvpool_attn.paged_attention_out(
+        out, q, k_cache, v_cache, table, torch.tensor([0, end - start]), torch.tensor([end]), torch.tensor([0]),
+        scale, 0, 0.0,
+    )
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,kv_heads,group", [(16, 3, 3), (1, 2, 1), (32, 2, 8)])
+def test_a_rows_bits_do_not_depend_on_its_chunk(dtype, block_size, kv_heads, group):
+    """One prompt of 1,100 tokens (three 512-key parts) attended in one prefill, in chunks of 7
+    and 64, and one token at a time (decode rows): every row's output is the same bits."""
+    n, heads = 1100, kv_heads * group
+    gen = torch.Generator().manual_seed(block_size)
+    blocks = -(-n // block_size)
+    k_cache = torch.randn(blocks + 2, block_size, kv_heads, D, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks + 2, block_size, kv_heads, D, generator=gen).to(dtype)
+    table = torch.randperm(blocks + 2, generator=gen)[:blocks].view(1, -1).contiguous()
+    query = torch.randn(n, heads, D, generator=gen).to(dtype)
+    whole = _rows(query, k_cache, v_cache, table, 0, n, D**-0.5)
+    for chunk in (7, 64):
+        parts = [_rows(query, k_cache, v_cache, table, s, min(n, s + chunk), D**-0.5) for s in range(0, n, chunk)]
+        assert torch.equal(torch.cat(parts), whole), f"chunks of {chunk}"
+    for pos in (0, 1, 31, 32, 511, 512, 700, 1023, 1099):
+        assert torch.equal(_rows(query, k_cache, v_cache, table, pos, pos + 1, D**-0.5)[0], whole[pos]), f"decode row {pos}"

@@ -1,7 +1,8 @@
-"""The CPU backend: the native kernel (kernels/paged_attention.cpp) runs decode rows and prefill
-chunks, each row reading only its own context through its block table, its keys in tiles and
-parts at fixed positions (docs/determinism.md). With KVPOOL_BATCH_INVARIANT=0 (for comparison
-only) chunks of SDPA_MIN tokens or more keep SDPA's fused kernel."""
+"""The CPU backend: the native kernel (kernels/paged_attention.cpp; on AMX CPUs in bf16 both
+products on tiles) runs decode rows and prefill chunks, each row reading only its own context
+through its block table, its keys in tiles and parts at fixed positions (docs/determinism.md).
+With KVPOOL_BATCH_INVARIANT=0 (for comparison only) chunks of SDPA_MIN tokens or more keep
+SDPA's fused kernel."""
 
 from __future__ import annotations
 

@@ -6,6 +6,10 @@
 // (flash-decoding) at fixed positions and their partial (max, sum, acc) merged with log-sum-exp
 // weights in order, so a row's result is the same whatever shares its step.
 //
+// AMX path (bf16 queries over a bf16 cache, paged_attention_amx.h): both products on tiles, the
+// same bits for a row in any unit, so prefill chunks run here too instead of SDPA. A unit's
+// parts run on one thread one after another, or as separate tasks when there are few units.
+//
 // AVX-512 path: K/V rows are read in place from fp32 caches and, with AVX512-BF16 and bf16
 // queries, from bf16 caches (q.k by dpbf16: products of bf16 values are exact in fp32, only the
 // summation order differs); a row's 16 scores per half tile come out as one zmm from a
@@ -23,11 +27,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "amx.h"  // defines KVPOOL_AMX where the build has the tile instructions
 #include "vec_exp.h"
 
 namespace {
@@ -585,6 +591,10 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
 }
 #endif
 
+#ifdef KVPOOL_AMX
+#include "paged_attention_amx.h"  // run_item_amx: bf16 queries over a bf16 cache on AMX tiles
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // AVX2 path (8 lanes, 16 registers): the AVX-512 path's plan on fp32 queries. fp32 K/V rows are
 // read in place, other caches through `load_tile`; a row's 8 scores per key group come from a
@@ -772,6 +782,11 @@ using ItemFn = void (*)(const Problem&, const Unit&, int64_t, int64_t, Scratch&,
 // The fastest path this build has for the problem's types and D.
 ItemFn pick_item_fn(const Problem& p) {
 #ifdef __AVX512F__
+#ifdef KVPOOL_AMX
+  if (p.q_bf16 && p.kv == KV::kBF16 && p.head_dim % 32 == 0 && p.head_dim <= 256 && p.group <= kAmxMaxRows &&
+      kvpool_amx::unavailable_reason().empty())
+    return run_item_amx;
+#endif
 #ifdef __AVX512BF16__
   if (p.q_bf16 && p.kv == KV::kBF16 && p.head_dim % 32 == 0) {
     switch (p.head_dim / 32) {
@@ -810,15 +825,17 @@ void write_rows(const Problem& p, const Unit& u, const float* rows_out) {
 // only, never the batch or the thread count (docs/determinism.md).
 void plan(const Problem& p, const int64_t* seqs, int64_t num_seqs, std::vector<Unit>& units, std::vector<Item>& items) {
   const int64_t tokens_per_unit = std::max<int64_t>(1, kRowsTarget / p.group);
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t s = seqs[i], qlen = p.query_start[s + 1] - p.query_start[s], slen = p.seq_lens[s];
-    for (int64_t tok0 = 0; tok0 < qlen; tok0 += tokens_per_unit) {
-      const int64_t ntok = std::min(tokens_per_unit, qlen - tok0);
-      const int64_t first = slen - qlen + tok0, last = first + ntok - 1;
-      const int64_t lo = p.window ? std::max<int64_t>(0, first - p.window + 1) / kTile * kTile : 0;
-      for (int64_t h = 0; h < p.kv_heads; ++h) units.push_back({s, h, tok0, ntok, lo, last + 1, 1, 0});
+  // One KV head's units in a row: a long chunk's units then share that head's keys in L2.
+  for (int64_t h = 0; h < p.kv_heads; ++h)
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      const int64_t s = seqs[i], qlen = p.query_start[s + 1] - p.query_start[s], slen = p.seq_lens[s];
+      for (int64_t tok0 = 0; tok0 < qlen; tok0 += tokens_per_unit) {
+        const int64_t ntok = std::min(tokens_per_unit, qlen - tok0);
+        const int64_t first = slen - qlen + tok0, last = first + ntok - 1;
+        const int64_t lo = p.window ? std::max<int64_t>(0, first - p.window + 1) / kTile * kTile : 0;
+        units.push_back({s, h, tok0, ntok, lo, last + 1, 1, 0});
+      }
     }
-  }
   for (auto& u : units) {
     u.first_item = static_cast<int64_t>(items.size());
     for (int64_t k = u.lo; k < u.hi;) {
@@ -827,6 +844,28 @@ void plan(const Problem& p, const int64_t* seqs, int64_t num_seqs, std::vector<U
       k = end;
     }
     u.nsplit = static_cast<int64_t>(items.size()) - u.first_item;
+  }
+}
+
+// A unit's parts (m [max_rows], l [max_rows], acc [rows][D] each, keys in order) as one result
+// per row: the parts' acc and l weighted by exp(m - the largest m), summed in order.
+void merge_parts(const Problem& p, const Unit& u, const float* const* parts, int64_t max_rows, float* merged) {
+  const int64_t d = p.head_dim, rows = u.ntok * p.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    float big = kNegInf;
+    for (int64_t s = 0; s < u.nsplit; ++s) big = std::max(big, parts[s][r]);
+    float denom = 0.f;
+    float* o = merged + r * d;
+    std::fill(o, o + d, 0.f);
+    for (int64_t s = 0; s < u.nsplit; ++s) {
+      const float* buf = parts[s];
+      if (buf[r] == kNegInf) continue;
+      const float w = std::exp(buf[r] - big);
+      denom += w * buf[max_rows + r];
+      const float* acc = buf + 2 * max_rows + r * d;
+      for (int64_t j = 0; j < d; ++j) o[j] += w * acc[j];
+    }
+    for (int64_t j = 0; j < d; ++j) o[j] /= denom;
   }
 }
 
@@ -862,55 +901,80 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
   plan(p, seqs.data_ptr<int64_t>(), seqs.numel(), units, items);
   const int64_t max_rows = std::max<int64_t>(kRowsTarget, p.group) + p.group;
   const int64_t part = max_rows * (d + 2);  // m, l, acc of one item
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // A unit's parts run on one thread, one after another, unless there are too few units to keep
+  // the threads busy (a decode step of a few long rows): then each part is a task of its own and
+  // the parts are merged after. The same parts and the same merge: the same bits either way.
+  const bool spread = static_cast<int64_t>(units.size()) < 4 * threads;
   std::vector<float> partials;
   std::vector<int64_t> slot(items.size(), -1);
   int64_t num_slots = 0;
-  for (size_t i = 0; i < items.size(); ++i)
-    if (units[items[i].unit].nsplit > 1) slot[i] = num_slots++;
+  if (spread)
+    for (size_t i = 0; i < items.size(); ++i)
+      if (units[items[i].unit].nsplit > 1) slot[i] = num_slots++;
   partials.resize(num_slots * part);
 
   const ItemFn run_item = pick_item_fn(p);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch& sc = thread_scratch(max_rows, d, part);
-    for (int64_t i = begin; i < end; ++i) {
-      const Unit& u = units[items[i].unit];
-      const int64_t rows = u.ntok * p.group;
-      float* buf = slot[i] >= 0 ? partials.data() + slot[i] * part : sc.local.data();
-      float *m = buf, *l = buf + max_rows, *acc = buf + 2 * max_rows;
-#if defined(__AVX512F__) || defined(__AVX2__)
-      if (i + 1 < end) prefetch_item(p, units[items[i + 1].unit], items[i + 1].k0, items[i + 1].k1);
+#ifdef KVPOOL_AMX
+  const bool tiles = run_item == run_item_amx;
 #endif
-      run_item(p, u, items[i].k0, items[i].k1, sc, m, l, acc);
-      if (slot[i] >= 0) continue;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < d; ++j) acc[r * d + j] /= l[r];
-      write_rows(p, u, acc);
+  // Tasks are taken in small batches as threads come free: a long chunk's later units cost more
+  // than its first, so a static split would leave one thread waiting.
+  const int64_t num_tasks = static_cast<int64_t>(spread ? items.size() : units.size());
+  const int64_t batch = std::max<int64_t>(1, num_tasks / (threads * 16));
+  std::atomic<int64_t> taken{0};
+  at::parallel_for(0, std::min(threads, std::max<int64_t>(1, num_tasks)), 1, [&](int64_t, int64_t) {
+#ifdef KVPOOL_AMX
+    if (tiles) kvpool_amx::load_tile_config();  // once per thread and call: it costs ~ a tile's work
+#endif
+    Scratch& sc = thread_scratch(max_rows, d, part);
+    thread_local std::vector<float> parts;
+    std::vector<const float*> part_of;
+    for (int64_t begin; (begin = taken.fetch_add(batch)) < num_tasks;) {
+      const int64_t end = std::min(num_tasks, begin + batch);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t first = spread ? task : units[task].first_item;
+        const Unit& u = units[items[first].unit];
+        const int64_t rows = u.ntok * p.group;
+        if (spread && slot[first] >= 0) {  // one part of a unit spread over the threads
+          float* buf = partials.data() + slot[first] * part;
+          run_item(p, u, items[first].k0, items[first].k1, sc, buf, buf + max_rows, buf + 2 * max_rows);
+          continue;
+        }
+        if (u.nsplit == 1) {
+          float *m = sc.local.data(), *l = m + max_rows, *acc = m + 2 * max_rows;
+          run_item(p, u, u.lo, u.hi, sc, m, l, acc);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < d; ++j) acc[r * d + j] /= l[r];
+          write_rows(p, u, acc);
+          continue;
+        }
+        parts.resize(u.nsplit * part);
+        part_of.resize(u.nsplit);
+        for (int64_t s = 0; s < u.nsplit; ++s) {
+          float* buf = parts.data() + s * part;
+          run_item(p, u, items[first + s].k0, items[first + s].k1, sc, buf, buf + max_rows, buf + 2 * max_rows);
+          part_of[s] = buf;
+        }
+        merge_parts(p, u, part_of.data(), max_rows, sc.local.data());
+        write_rows(p, u, sc.local.data());
+      }
     }
+#ifdef KVPOOL_AMX
+    if (tiles) _tile_release();
+#endif
   });
 
   if (num_slots == 0) return;
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     float* merged = thread_scratch(max_rows, d, part).local.data();
+    std::vector<const float*> part_of;
     for (int64_t ui = begin; ui < end; ++ui) {
       const Unit& u = units[ui];
       if (u.nsplit == 1) continue;
-      const int64_t rows = u.ntok * p.group;
-      for (int64_t r = 0; r < rows; ++r) {
-        float big = kNegInf;
-        for (int64_t s = 0; s < u.nsplit; ++s) big = std::max(big, partials[slot[u.first_item + s] * part + r]);
-        float denom = 0.f;
-        float* o = merged + r * d;
-        std::fill(o, o + d, 0.f);
-        for (int64_t s = 0; s < u.nsplit; ++s) {
-          const float* buf = partials.data() + slot[u.first_item + s] * part;
-          if (buf[r] == kNegInf) continue;
-          const float w = std::exp(buf[r] - big);
-          denom += w * buf[max_rows + r];
-          const float* acc = buf + 2 * max_rows + r * d;
-          for (int64_t j = 0; j < d; ++j) o[j] += w * acc[j];
-        }
-        for (int64_t j = 0; j < d; ++j) o[j] /= denom;
-      }
+      part_of.resize(u.nsplit);
+      for (int64_t s = 0; s < u.nsplit; ++s) part_of[s] = partials.data() + slot[u.first_item + s] * part;
+      merge_parts(p, u, part_of.data(), max_rows, merged);
       write_rows(p, u, merged);
     }
   });

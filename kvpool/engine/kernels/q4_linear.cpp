@@ -26,14 +26,7 @@
 #include <immintrin.h>
 #endif
 #include "q4_lanes_f32.h"  // includes q4_nlanes.h
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define KVPOOL_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cerrno>
-#endif
+#include "amx.h"  // defines KVPOOL_AMX where the build has the tile instructions
 
 namespace {
 
@@ -352,34 +345,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 // a copy packed at load. Each output's chain is the same whatever the rows (docs/determinism.md).
 
 #ifdef KVPOOL_AMX
-constexpr int64_t kTileRows = 16;
-
-struct TileConfig {  // the palette-1 layout LDTILECFG reads
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-std::string amx_setup() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
-    return "this CPU lacks AMX-TILE/AMX-BF16 (the kernel was built on another machine)";
-  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // asm/prctl.h, the AMX tile state
-  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) != 0)
-    return std::string("arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed: ") + std::strerror(errno);
-  return "";
-}
-
-const std::string& amx_unavailable_reason() {
-  static const std::string reason = amx_setup();  // once per process, before any tile instruction
-  return reason;
-}
-
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = kTileRows, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
+using kvpool_amx::kTileRows;
+using kvpool_amx::load_tile_config;
+const std::string& amx_unavailable_reason() { return kvpool_amx::unavailable_reason(); }
 
 // float32 -> bf16, to nearest even as c10::BFloat16(float) rounds (NaN -> 0x7fc0)
 inline __m256i round_to_bf16(__m512 v) {
