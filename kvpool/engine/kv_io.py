@@ -178,6 +178,9 @@ class KVStoreConnector:
             writer.join(check_waited=ran)
             self.load_stall_s += writer.stall_s + time.perf_counter() - start
         if reads is not None and ran:  # a failed forward fails its requests: nothing to rewind
+            if writer is not None and writer.timed_out:  # a tier read hung: every load recomputes
+                reads[0].give_up()
+                self.timed_out_loads += len(reads[1])
             self._settle(*reads)
         forward, self._forward = self._forward, None
         if forward is not None and ran:  # compute alone: a slow tier's reads must not price recomputing
@@ -221,8 +224,9 @@ class KVStoreConnector:
             return
         reads = LayerReads(*self._plan(layered), self.store)
         self._reads = (reads, [load for load, _ in layered], out)
-        self._writer = LayerwiseWriter(reads.plan, lambda layer: self._write_layer(
-            layer, *self._device_ids(reads.layer(layer))), self.runner.device)
+        self._writer = LayerwiseWriter(reads.plan, lambda layer: self._device_ids(reads.layer(layer)),
+                                       lambda layer, data: self._write_layer(layer, *data), self.runner.device,
+                                       self.load_timeout_s)
         self.last_layerwise = self._writer
         self.runner.model.before_layer = self._writer.wait
         self._writer.start()

@@ -47,6 +47,11 @@ class LayerReads:
             ids.append(w.block_id)
         return ids, arrays
 
+    def give_up(self) -> None:
+        """The forward stopped waiting for these reads: every load recomputes from its first block."""
+        for load in {w.load for w in self.plan.writes}:
+            self.failed[load] = (0, LOAD_FAILED)
+
     def finish(self) -> None:
         """Every layer was read: the store measures each block read whole (and promotes it)."""
         for w, block in zip(self.plan.writes, self.blocks, strict=True):

@@ -12,14 +12,18 @@ forward passes the hook of layer l: the ordering the tests check.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 
 from kvpool.sched.layerwise import LayerwisePlan
+
+logger = logging.getLogger(__name__)
 
 
 class LayerwiseLoadError(RuntimeError):
@@ -27,9 +31,19 @@ class LayerwiseLoadError(RuntimeError):
 
 
 class LayerwiseWriter:
-    def __init__(self, plan: LayerwisePlan, write_layer: Callable[[int], None], device: torch.device) -> None:
+    """`read_layer(l)` (the tier read, which may hang) then `write_layer(l, data)` (the device
+    write) for each layer on a loader thread. A forward that waits `timeout_s` for a layer gives
+    the load up: from then on nothing is written (a read that returns late is dropped) and every
+    later wait returns at once; `timed_out` tells the caller to recompute what the plan held."""
+
+    def __init__(self, plan: LayerwisePlan, read_layer: Callable[[int], Any], write_layer: Callable[[int, Any], None],
+                 device: torch.device, timeout_s: float = 10.0) -> None:
         self.plan = plan
+        self._read_layer = read_layer
         self._write_layer = write_layer
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self.timed_out = False
         layers = len(plan.layers())
         self._ready = [threading.Event() for _ in range(layers)]
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -50,7 +64,8 @@ class LayerwiseWriter:
         slot = self.plan.slot_of(layer)
         if slot is not None and slot < len(self._ready):
             start = time.perf_counter()
-            self._ready[slot].wait()
+            if not self._ready[slot].wait(self._timeout_s):
+                self._give_up()
             self.stall_s += time.perf_counter() - start
             if self._error is not None:
                 raise LayerwiseLoadError(f"writing layer {slot} of {self.plan.num_blocks} store blocks "
@@ -61,9 +76,19 @@ class LayerwiseWriter:
             self._waited = max(self._waited, slot + 1)
         self.trace.append(("compute", layer))
 
+    def _give_up(self) -> None:
+        with self._lock:  # after this no write starts, and none is under way
+            self.timed_out = True
+        logger.warning("a layer-wise KV load waited %.1f s for a tier read; its sequences recompute", self._timeout_s)
+        for ready in self._ready:
+            ready.set()
+
     def join(self, check_waited: bool = True) -> None:
         """Wait for every layer (the blocks must be whole before anyone else may read or reuse
-        them); raise if a forward that ran computed a layer it had not waited for."""
+        them); raise if a forward that ran computed a layer it had not waited for. A load given
+        up is not waited for: its thread writes nothing more."""
+        if self.timed_out:
+            return
         self._thread.join()
         if self._stream is not None:
             torch.cuda.current_stream(self._device).wait_stream(self._stream)
@@ -79,7 +104,11 @@ class LayerwiseWriter:
         try:
             with torch.inference_mode(), stream:
                 for layer in self.plan.layers():
-                    self._write_layer(layer)
+                    data = self._read_layer(layer)
+                    with self._lock:
+                        if self.timed_out:
+                            return
+                        self._write_layer(layer, data)
                     if self._stream is not None:
                         event = torch.cuda.Event()
                         event.record(self._stream)

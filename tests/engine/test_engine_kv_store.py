@@ -242,11 +242,18 @@ def test_a_stuck_tier_does_not_hold_the_engine(loaded, reference, monkeypatch):
     release = threading.Event()
     real_get = host.get
 
+    real_range = host.get_range
+
     def stuck_get(key):  # a tier call that does not return until the test lets it
         release.wait()
         return real_get(key)
 
+    def stuck_range(key, offset, length):
+        release.wait()
+        return real_range(key, offset, length)
+
     monkeypatch.setattr(host, "get", stuck_get)
+    monkeypatch.setattr(host, "get_range", stuck_range)
     engine.kv_store.load_timeout_s = 0.2
     try:
         engine.scheduler.kv.reset_prefix_cache()
@@ -255,4 +262,33 @@ def test_a_stuck_tier_does_not_hold_the_engine(loaded, reference, monkeypatch):
         assert engine.kv_store.timed_out_loads == 1 and out.num_cached_tokens == 0
     finally:
         release.set()
+    engine.close()
+
+
+def test_a_tier_stuck_under_the_forward_does_not_hold_it(loaded, reference, monkeypatch):
+    """Layer-wise reads: the headers come back, then a layer's read hangs. The forward stops
+    waiting after the load timeout, nothing more is written, and the sequence recomputes."""
+    engine = make(loaded, kv_host_memory="256MiB")
+    run(engine)
+    engine.kv_store.store.flush()
+    host = engine.kv_store.store.tiers[0]
+    release = threading.Event()
+    real_range = host.get_range
+
+    def stuck_past_the_headers(key, offset, length):
+        if offset > 0:
+            release.wait()
+        return real_range(key, offset, length)
+
+    monkeypatch.setattr(host, "get_range", stuck_past_the_headers)
+    engine.kv_store.load_timeout_s = 0.2
+    free = engine.scheduler.kv.pool.num_free
+    try:
+        engine.scheduler.kv.reset_prefix_cache()
+        out = run(engine)
+        assert out.outputs[0].token_ids == reference
+        assert engine.kv_store.timed_out_loads == 1 and engine.kv_store.rewound_loads == 1
+    finally:
+        release.set()
+    assert engine.scheduler.kv.pool.num_free == free
     engine.close()

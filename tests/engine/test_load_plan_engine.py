@@ -55,13 +55,19 @@ def test_a_slowed_disk_tier_is_recomputed_with_the_cold_tokens(loaded, reference
     assert kv_store.store.read_costs()["disk"].seconds(kv_store.block_bytes) < delay_s
 
     disk = kv_store.store.tiers[0]
-    real_get = disk.get
+    real_get, real_range = disk.get, disk.get_range
 
-    def slow_get(key):  # the tier slows down
+    def slow_get(key):  # the tier slows down: each value read (whole, or layer-wise from its header)
         time.sleep(delay_s)
         return real_get(key)
 
+    def slow_range(key, offset, length):
+        if offset == 0:
+            time.sleep(delay_s)
+        return real_range(key, offset, length)
+
     monkeypatch.setattr(disk, "get", slow_get)
+    monkeypatch.setattr(disk, "get_range", slow_range)
     learned = again(engine)  # still planned from the fast estimate: loaded slowly, the estimate moves
     assert learned.outputs[0].token_ids == reference and learned.num_cached_tokens == held
     assert kv_store.store.read_costs()["disk"].seconds(kv_store.block_bytes) > delay_s / 2
@@ -76,6 +82,7 @@ def test_a_slowed_disk_tier_is_recomputed_with_the_cold_tokens(loaded, reference
     assert plan is not None and plan.read["disk"].seconds(plan.block_bytes) > plan.prefill_s(0, 16)
 
     monkeypatch.setattr(disk, "get", real_get)  # the tier recovers; a stale estimate is tried again
+    monkeypatch.setattr(disk, "get_range", real_range)
     kv_store.read_estimate_max_age_s = 0.0
     back = again(engine)
     assert back.outputs[0].token_ids == reference and back.num_cached_tokens == held
