@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ import httpx
 from kvpool.conductor.conductor import Conductor
 from kvpool.conductor.index import POOL
 from kvpool.conductor.records import InstanceLoad
+from kvpool.core.retention import Retention
 
 LOAD_FIELDS = tuple(InstanceLoad.__dataclass_fields__)  # what an instance reports, as the simulator's
 INFO_FIELDS = ("model", "namespace", "block_size", "max_model_len", "vocab_size", "system_fingerprint")
@@ -123,6 +125,7 @@ class MemberPoller:
             if data["snapshot"]:
                 index.on_instance_down(m.instance_id)
             index.on_stored(m.instance_id, stored)
+            index.on_retention(m.instance_id, retention_of(data.get("retention") or {}, time.monotonic()))
             index.on_evicted(m.instance_id, evicted)
         if data.get("kv_remote"):
             self.pool = data["kv_remote"]
@@ -156,3 +159,14 @@ class MemberPoller:
         elif data["namespace"] != self.namespace:
             return f"model namespace {data['namespace']!r} != the cluster's {self.namespace!r}"
         return None
+
+
+def retention_of(wire: dict[str, Any], now: float) -> dict[bytes, Retention | None]:
+    """An instance's reported retentions (hex hash -> `{"ttl_s", "priority"}` or null; see
+    serve/internal.py) as the index keeps them, in this process's clock from `now`."""
+    return {bytes.fromhex(h): None if r is None else _retention(r["ttl_s"], r["priority"], now)
+            for h, r in wire.items()}
+
+
+def _retention(ttl_s: float | None, priority: int, now: float) -> Retention:
+    return Retention(math.inf if ttl_s is None else now + ttl_s, priority)

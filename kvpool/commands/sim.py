@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
+from kvpool.core.retention import RetentionRequest
 from kvpool.costs.presets import get_model
 from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
@@ -16,11 +18,11 @@ from kvpool.sim.cluster import SimCluster, gc_paused
 from kvpool.sim.experiments import EXPERIMENTS, get_experiment
 from kvpool.sim.experiments.base import roofline
 from kvpool.sim.instance import run_instance
-from kvpool.sim.metrics import flat_row, format_table, summarize, write_json
+from kvpool.sim.metrics import flat_row, format_table, retention_summary, summarize, write_json
 from kvpool.sim.plots import plot_cdf
 from kvpool.sim.report import write_report
 from kvpool.sim.traces import TraceOptions, load_mooncake_trace
-from kvpool.sim.workloads import WorkloadSpec, synthetic_workload
+from kvpool.sim.workloads import SimRequest, WorkloadSpec, synthetic_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--no-prefix-caching", action="store_true")
     r.add_argument("--no-swa-freeing", action="store_true",
                    help="sliding-window layers keep every KV block (as full attention does)")
+    r.add_argument("--retain-prefix-tokens", type=int, default=None, metavar="N",
+                   help="every request retains its prompt's first N tokens' full blocks (kvpool_retention)")
+    r.add_argument("--retain-ttl", type=float, default=None, metavar="S",
+                   help="the retention's TTL in virtual seconds from arrival (default: pinned for the run)")
+    r.add_argument("--retain-priority", type=int, default=None, metavar="P", help="the retention's priority (0..100)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, default=Path("sim-out"))
     for name in EXPERIMENTS:
@@ -101,6 +108,7 @@ def _run(args: argparse.Namespace) -> int:
                                                lengths=args.workload, max_len=max_len, seed=args.seed))
     else:
         raise ConfigError(f"unknown workload {args.workload!r}: sharegpt | alpaca | mooncake:<trace>")
+    reqs = _retained(reqs, args)
     groups = get_model(args.model).layer_groups(not args.no_swa_freeing)
     blocks *= groups.num_groups  # a pool block holds one layer group: the same memory, G times the blocks
     cfg = SchedulerConfig(
@@ -112,12 +120,25 @@ def _run(args: argparse.Namespace) -> int:
     run = run_instance(reqs, cfg, cost)
     summary = summarize(run.metrics)
     summary["preemptions"] = run.instance.sched.num_preemptions
+    if args.retain_prefix_tokens is not None:  # a pool block holds one layer group's share of a block's KV
+        per_block = args.block_size * get_model(args.model).kv_bytes_per_token() // groups.num_groups
+        summary.update(retention_summary(run.instance.sched.kv.pool, per_block))
     print(format_table([flat_row(args.workload, summary)]))
     write_json(args.out / "run.json", {"args": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
                                        "summary": summary})
     plot_cdf({"TTFT": [m.ttft for m in run.metrics if m.done]}, args.out / "run_ttft.png", "TTFT (s)")
     print(f"wrote {args.out / 'run.json'} and {args.out / 'run_ttft.png'}")
     return 0
+
+
+def _retained(reqs: list[SimRequest], args: argparse.Namespace) -> list[SimRequest]:
+    """The workload with `--retain-*`'s retention on every request (none without the flags)."""
+    if args.retain_prefix_tokens is None:
+        if args.retain_ttl is not None or args.retain_priority is not None:
+            raise ConfigError("--retain-ttl and --retain-priority need --retain-prefix-tokens")
+        return reqs
+    ask = (RetentionRequest(args.retain_prefix_tokens, args.retain_ttl, args.retain_priority or 0),)
+    return [replace(r, retention=ask) for r in reqs]
 
 
 def scale_run(max_requests: int | None = None, repeat: int = 1) -> dict:

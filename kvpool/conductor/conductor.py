@@ -138,8 +138,9 @@ class Conductor:
         threshold = cfg.replication_threshold if cfg.policy == "kv-centric" else None
         held = {inst: self.index.num_blocks(inst) for _, inst in candidates}
         busy = {inst: self._decode[inst].committed().requests for _, inst in candidates}
+        retained = self.index.retained_match(req.block_hashes, now)
         options = estimate_options(req.prompt_len, match, candidates, queued, self.predictor, cfg.block_size,
-                                   threshold, held, busy, cfg.pull_from_peers)
+                                   threshold, held, busy, cfg.pull_from_peers, retained)
         best_ttft = min(o.ttft for o in options)
         if cfg.ttft_slo_s is not None and best_ttft > cfg.ttft_slo_s:
             return self._reject("ttft_slo", best_ttft)
@@ -359,6 +360,7 @@ class Conductor:
             entry["decode_load"] = view.committed().requests
             if now is not None:
                 entry["decoding_now"] = view.load_at(now).requests
+                entry["retained_blocks"] = self.index.num_retained(inst, now)
             instances[inst] = entry
         return {
             "policy": self.config.policy,

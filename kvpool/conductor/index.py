@@ -4,14 +4,20 @@ Fed by KV events from the instances (and from the shared pool, which reports as 
 pseudo-instance `POOL`). A block is identified by its chained hash, so a block held by an
 instance implies nothing about its parent: `prefix_match` therefore counts, per instance,
 only the blocks it holds contiguously from block 0, which is what a prefill can reuse.
+
+A stored block's event may carry its retention on that instance (core/retention.py: a pin, a
+cache_control TTL, a priority), in the conductor's clock; the index keeps it while the instance
+holds the block and counts it only while live (`until > now`), so routing never counts on a
+retention that has run out (`retained_match`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import takewhile
 
 from kvpool.core.hashing import BlockHash
+from kvpool.core.retention import Retention
 
 POOL = "pool"
 
@@ -21,10 +27,11 @@ class GlobalKVIndex:
     (a long prompt), so storing and evicting are whole-set operations; a prefix match walks
     only the instances holding block 0, each as far as it matches."""
 
-    __slots__ = ("_held",)
+    __slots__ = ("_held", "_retained")
 
     def __init__(self) -> None:
         self._held: dict[str, set[BlockHash]] = {}
+        self._retained: dict[str, dict[BlockHash, Retention]] = {}  # of held blocks only
 
     def on_stored(self, instance_id: str, hashes: Iterable[BlockHash]) -> None:
         """`instance_id` now holds these blocks (re-storing a held block is a no-op)."""
@@ -35,13 +42,33 @@ class GlobalKVIndex:
         held = self._held.get(instance_id)
         if not held:
             return
+        hashes = list(hashes)
         held.difference_update(hashes)
+        retained = self._retained.get(instance_id)
+        if retained:
+            for h in hashes:
+                retained.pop(h, None)
         if not held:
             del self._held[instance_id]
+            self._retained.pop(instance_id, None)
+
+    def on_retention(self, instance_id: str, retention: Mapping[BlockHash, Retention | None]) -> None:
+        """The retention of blocks `instance_id` holds (None: released); ones it does not hold
+        (a racing eviction) are ignored."""
+        held = self._held.get(instance_id, ())
+        retained = self._retained.setdefault(instance_id, {})
+        for h, r in retention.items():
+            if r is not None and h in held:
+                retained[h] = r
+            else:
+                retained.pop(h, None)
+        if not retained:
+            del self._retained[instance_id]
 
     def on_instance_down(self, instance_id: str) -> None:
         """Forget everything `instance_id` held: its memory is gone or unreachable."""
         self._held.pop(instance_id, None)
+        self._retained.pop(instance_id, None)
 
     def prefix_match(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """For each instance holding block 0, how many leading blocks it holds contiguously.
@@ -54,6 +81,16 @@ class GlobalKVIndex:
             for inst, held in self._held.items()
             if first in held
         }
+
+    def retained_match(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
+        """For each instance retaining block 0 at `now`, how many leading blocks it holds
+        under a live retention: the part of its prefix match it will not evict first."""
+        runs = {inst: _live_run(retained, hashes, now) for inst, retained in self._retained.items()}
+        return {inst: n for inst, n in runs.items() if n}
+
+    def num_retained(self, instance_id: str, now: float) -> int:
+        """How many blocks `instance_id` holds under a live retention at `now`."""
+        return sum(r.until > now for r in self._retained.get(instance_id, {}).values())
 
     def holders(self, h: BlockHash) -> frozenset[str]:
         """Instances holding block `h` (empty when none)."""
@@ -70,3 +107,14 @@ class GlobalKVIndex:
     def __len__(self) -> int:
         """Distinct blocks cached anywhere (O(all blocks held): for reports, not routing)."""
         return len(set().union(*self._held.values()))
+
+
+def _live_run(retained: Mapping[BlockHash, Retention], hashes: Sequence[BlockHash], now: float) -> int:
+    """How many of `hashes`, from the first, hold a retention live at `now`."""
+    n = 0
+    for h in hashes:
+        r = retained.get(h)
+        if r is None or r.until <= now:
+            break
+        n += 1
+    return n

@@ -25,7 +25,7 @@ from typing import overload
 
 from kvpool.core.hashing import BlockHash
 from kvpool.core.policies import EvictionPolicy, make_policy
-from kvpool.core.retention import RetentionTable
+from kvpool.core.retention import Retention, RetentionTable
 from kvpool.errors import ConfigError, KVStateError, OutOfBlocks
 
 MAX_BLOCK_SIZE = 2048  # Mooncake hashes its trace in 512-token blocks
@@ -49,6 +49,8 @@ class KVEvents:
     stored: list[BlockHash] = field(default_factory=list)
     evicted: list[BlockHash] = field(default_factory=list)
     evicted_block_ids: list[int] = field(default_factory=list)  # where each evicted hash lived
+    # live retention of stored blocks, and of cached ones whose retention changed (None: released)
+    retention: dict[BlockHash, Retention | None] = field(default_factory=dict)
 
 
 class BlockView(Sequence[Block]):
@@ -303,12 +305,17 @@ class BlockPool:
     @property
     def has_events(self) -> bool:
         """Whether a drain would return any event (lets a driver skip empty drains)."""
-        ev = self.events
-        return ev is not None and bool(ev.stored or ev.evicted)
+        ev, ret = self.events, self.retention
+        return ev is not None and bool(ev.stored or ev.evicted or (ret is not None and ret.changed))
 
     def drain_events(self) -> KVEvents:
+        """The events since the last drain, with the retention they carry (core/retention.py)."""
         events, self.events = self.events, KVEvents()
-        return events if events is not None else KVEvents()
+        if events is None:
+            return KVEvents()
+        if self.retention is not None:
+            events.retention = self.retention.published(events.stored, self._cached.get)
+        return events
 
     def _evict(self, n: int, victims: list[int] | None = None) -> list[int]:
         """Take `n` cached blocks out of the cache, in eviction order (or `victims`, already

@@ -15,7 +15,8 @@ nothing else could go. Expiry is lazy: `advance(now)` (the driver's time, passed
 scheduler) drops the entries whose time has come and counts them (`num_ttl_expiries`). With an
 empty table the pool runs exactly the code of before; the order among unretained blocks is the
 policy's order whatever the table holds (retained blocks keep their place in it, skipped).
-Pure: no clock, the time always comes in as an argument.
+A pool that records KV events reports retention in them (`published`, for the conductor's
+index: conductor/index.py). Pure: no clock, the time always comes in as an argument.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class RetentionTable:
         self.now = -math.inf
         self.num_ttl_expiries = 0
         self.num_pinned_evictions = 0
+        # keys retained or released since the last `published` (None: the pool records no KV events)
+        self.changed: set[BlockHash] | None = None
 
     def __len__(self) -> int:
         return len(self._held)
@@ -113,6 +116,8 @@ class RetentionTable:
                                                           max(old.priority, retention.priority))
             if new != old:
                 held[key] = new
+                if self.changed is not None:
+                    self.changed.add(key)
                 if math.isfinite(new.until) and (old is None or new.until != old.until):
                     heapq.heappush(self._deadlines, (new.until, key))
             n += 1
@@ -120,8 +125,24 @@ class RetentionTable:
 
     def release(self, keys: Iterable[BlockHash]) -> int:
         """Drop the keys' retention (unpin); returns how many had one."""
+        held, changed = self._held, self.changed
+        dropped = [k for k in keys if held.pop(k, None) is not None]
+        if changed is not None:
+            changed.update(dropped)
+        return len(dropped)
+
+    def published(self, stored: Iterable[BlockHash],
+                  cached: Callable[[BlockHash], int | None]) -> dict[BlockHash, Retention | None]:
+        """What a KV event reports of retention: the live retention of each newly `stored` block
+        that has one, and of each block retained or released since the last call that is
+        `cached` now (None: released). Expiries are not reported: a reader expires `until`
+        against its own clock, so a consumer never counts on a retention the pool has dropped."""
         held = self._held
-        return sum(held.pop(k, None) is not None for k in keys)
+        out: dict[BlockHash, Retention | None] = {h: held[h] for h in stored if h in held}
+        if self.changed:
+            out.update((h, held.get(h)) for h in self.changed if cached(h) is not None)
+            self.changed = set()
+        return out
 
     def held_keys(self) -> list[BlockHash]:
         """The hashes holding a live retention (as of the last `advance`)."""
@@ -189,6 +210,8 @@ def table_of(pool) -> RetentionTable:
     its eviction runs exactly as without retention)."""
     if pool.retention is None:
         pool.retention = RetentionTable()
+        if pool.events is not None:  # KV events carry retention changes (`published`)
+            pool.retention.changed = set()
     return pool.retention
 
 

@@ -158,12 +158,16 @@ class Engine:
         a conductor's global index: each hash registered or evicted meanwhile appears once, as
         stored if the cache holds it now, else as evicted. (The raw lists lose the order
         between a block's eviction and its re-registration, so replaying them could drop a
-        block the cache holds.)"""
+        block the cache holds.) `retention` is the latest reported for each block held now,
+        its `until` in this engine's clock (`time.monotonic()`)."""
         events, self._published = self._published, KVEvents()
         pool = self.scheduler.kv.pool
+        if pool.retention is not None:  # a pin between steps (POST /v1/kv/pin on an idle engine)
+            events.retention.update(pool.retention.published((), pool.lookup))
         net = KVEvents()
         for h in dict.fromkeys(events.stored + events.evicted):
             (net.stored if pool.lookup(h) is not None else net.evicted).append(h)
+        net.retention = {h: r for h, r in events.retention.items() if pool.lookup(h) is not None}
         return net
 
     def load_report(self) -> dict[str, int]:
@@ -188,6 +192,7 @@ class Engine:
         if self.config.publish_kv_events:
             self._published.stored.extend(events.stored)
             self._published.evicted.extend(events.evicted)
+            self._published.retention.update(events.retention)  # the latest per block wins
         return events
 
     def _blocks_from_budget(self, per_block: int) -> int:

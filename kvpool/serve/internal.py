@@ -3,9 +3,13 @@
 `GET /internal/state?since=N` returns the instance's load and the KV events (block hashes
 registered / evicted in its device cache) after cursor N, as JSON with hex hashes; a cursor
 the log no longer covers (a new conductor, or one that fell behind) gets a snapshot of every
-block held instead. `POST /internal/generate` runs one token-id prompt and streams NDJSON
-lines with the new token ids and text (and their logprobs and top-N, the prompt's logprobs on
-the first line, when asked), which is what a prefill/decode split needs.
+block held instead. `retention` maps the hex hash of a held block stored with a retention or
+re-retained after the cursor (every retained block, in a snapshot) to `{"ttl_s", "priority"}`
+(ttl_s null: pinned until unpinned) or null (released or run out): a TTL left, not a deadline,
+because the conductor's clock is not this process's. `POST /internal/generate` runs one
+token-id prompt and streams NDJSON lines with the new token ids and text (and their logprobs
+and top-N, the prompt's logprobs on the first line, when asked), which is what a prefill/decode
+split needs.
 
 Both need the cluster key (`--cluster-key`, which the conductor sends); without one they need an
 API key like every other route. The conductor has already scoped `cache_salt` to the tenant, so
@@ -15,16 +19,18 @@ API key like every other route. The conductor has already scoped `cache_salt` to
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from kvpool.core.retention import Retention
 from kvpool.errors import InvalidRequest, Overloaded
 from kvpool.serve.errors import classify
 from kvpool.serve.protocol import CompletionRequest
@@ -37,36 +43,60 @@ ROLES = ("prefill", "decode", "both")
 
 @dataclass(slots=True)
 class KVEventLog:
-    """Events numbered from 1, the last `capacity` kept, plus the set of blocks held now
-    (so a poller whose cursor fell out of the log can resynchronise from a snapshot)."""
+    """Events numbered from 1, the last `capacity` kept, plus the set of blocks held now and
+    their retentions (so a poller whose cursor fell out of the log can resynchronise from a
+    snapshot)."""
 
     capacity: int = 100_000
     cursor: int = 0
     held: set[bytes] = field(default_factory=set)
-    _log: deque[tuple[int, bool, bytes]] = field(default_factory=deque)
+    retained: dict[bytes, Retention] = field(default_factory=dict)  # of held blocks, engine clock
+    _log: deque[tuple[int, str, bytes]] = field(default_factory=deque)
 
-    def add(self, stored: list[bytes], evicted: list[bytes]) -> None:
-        for stored_flag, hashes in ((True, stored), (False, evicted)):
+    def add(self, stored: list[bytes], evicted: list[bytes],
+            retention: Mapping[bytes, Retention | None] | None = None) -> None:
+        """Log a drain's net events (`Engine.drain_kv_events`): stored, evicted, retention."""
+        for kind, hashes in (("stored", stored), ("evicted", evicted), ("retention", list(retention or ()))):
             for h in hashes:
                 self.cursor += 1
-                self._log.append((self.cursor, stored_flag, h))
-                if stored_flag:
+                self._log.append((self.cursor, kind, h))
+                if kind == "stored":
                     self.held.add(h)
-                else:
+                elif kind == "evicted":
                     self.held.discard(h)
+                    self.retained.pop(h, None)
+        for h, r in (retention or {}).items():
+            if r is not None and h in self.held:
+                self.retained[h] = r
+            else:
+                self.retained.pop(h, None)
         while len(self._log) > self.capacity:
             self._log.popleft()
 
-    def since(self, cursor: int) -> dict[str, Any]:
-        """Events after `cursor`, or a snapshot when the log does not reach back that far."""
+    def since(self, cursor: int, now: float) -> dict[str, Any]:
+        """Events after `cursor`, or a snapshot when the log does not reach back that far;
+        retention TTLs as left at `now` (the engine's clock)."""
         oldest = self._log[0][0] if self._log else self.cursor + 1
         if cursor <= 0 or cursor > self.cursor or cursor + 1 < oldest:
-            return {"snapshot": True, "stored": [h.hex() for h in self.held], "evicted": []}
-        stored, evicted = [], []
-        for n, stored_flag, h in self._log:
+            return {"snapshot": True, "stored": [h.hex() for h in self.held], "evicted": [],
+                    "retention": {h.hex(): _wire(r, now) for h, r in self.retained.items()}}
+        lists: dict[str, list[bytes]] = {"stored": [], "evicted": [], "retention": []}
+        for n, kind, h in self._log:
             if n > cursor:
-                (stored if stored_flag else evicted).append(h.hex())
-        return {"snapshot": False, "stored": stored, "evicted": evicted}
+                lists[kind].append(h)
+        retained = self.retained
+        wire = {h.hex(): _wire(retained[h], now) for h in lists["stored"] if h in retained}
+        wire.update((h.hex(), _wire(retained.get(h), now)) for h in lists["retention"] if h in self.held)
+        return {"snapshot": False, "stored": [h.hex() for h in lists["stored"]],
+                "evicted": [h.hex() for h in lists["evicted"]], "retention": wire}
+
+
+def _wire(r: Retention | None, now: float) -> dict[str, Any] | None:
+    """A retention as the conductor reads it: the TTL left at `now` (null: a pin), or null
+    when there is none (released, or run out)."""
+    if r is None or r.until <= now:
+        return None
+    return {"ttl_s": None if math.isinf(r.until) else r.until - now, "priority": r.priority}
 
 
 def build_internal_router(state: ServerState, role: str, kv_remote: str | None) -> APIRouter:
@@ -83,12 +113,12 @@ def build_internal_router(state: ServerState, role: str, kv_remote: str | None) 
             return engine.drain_kv_events(), engine.load_report(), engine.namespace, engine.block_size
 
         events, load, namespace, block_size = await state.engine.call(read)
-        log.add(list(events.stored), list(events.evicted))
+        log.add(list(events.stored), list(events.evicted), events.retention)
         return {
             "boot_id": boot_id, "role": role, "model": state.model_name, "namespace": namespace,
             "block_size": block_size, "max_model_len": state.max_model_len, "kv_remote": kv_remote,
             "vocab_size": state.vocab_size, "system_fingerprint": system_fingerprint(state),
-            "load": load, "cursor": log.cursor, **log.since(since),
+            "load": load, "cursor": log.cursor, **log.since(since, time.monotonic()),
         }
 
     @router.post("/generate")

@@ -329,6 +329,8 @@ class SimCluster:
         ev = inst.sched.kv.drain_events()
         if ev.stored:
             self.conductor.index.on_stored(inst.instance_id, ev.stored)
+        if ev.retention:  # in virtual time, the conductor's clock
+            self.conductor.index.on_retention(inst.instance_id, ev.retention)
         if ev.evicted:
             self.conductor.index.on_evicted(inst.instance_id, ev.evicted)
 

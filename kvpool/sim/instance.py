@@ -121,7 +121,7 @@ class SimInstance:
         width = max(req.n, req.beam_width)
         params = SamplingParams(
             n=width, max_tokens=max_tokens or req.output_len, ignore_eos=True,
-            use_beam_search=req.beam_width > 1,
+            use_beam_search=req.beam_width > 1, retention=req.retention,
         )
         hashes = list(prompt_hashes) if prompt_hashes is not None else self.hashes_for(req)
         group = SequenceGroup(req.request_id, [seq], params, now, prompt_hashes=hashes)
@@ -142,7 +142,7 @@ class SimInstance:
 
     def step(self, now: float) -> StepResult:
         sched = self.sched
-        out = sched.schedule()
+        out = sched.schedule(now)  # virtual time: what retention TTLs expire against
         scheduled = out.scheduled
         if not scheduled and not out.kv_loads:
             return StepResult(0.0)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpool.core.block_pool import BlockPool
+from kvpool.core.retention import pinned_blocks
 from kvpool.errors import ConfigError
 from kvpool.sched.metrics import RequestMetrics
 
@@ -88,6 +90,15 @@ def summarize(
         summary["slo_attainment"] = good / len(ms) if ms else math.nan
         summary["goodput_rps"] = rate(good)
     return summary
+
+
+def retention_summary(pool: BlockPool, bytes_per_block: int) -> dict[str, float | int]:
+    """Retention at a run's end as `kvpool serve` exports it (serve/retention_routes.py): the
+    device KV held by live retentions (in MiB), pinned evictions and TTL expiries."""
+    table = pool.retention
+    return {"pinned_mib": pinned_blocks(pool) * bytes_per_block / 2**20,
+            "pinned_evictions": 0 if table is None else table.num_pinned_evictions,
+            "ttl_expiries": 0 if table is None else table.num_ttl_expiries}
 
 
 def _rounded(obj, digits: int):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpool.core.retention import RetentionRequest
 from kvpool.errors import ConfigError
 from kvpool.sim.tokens import Chunks
 
@@ -40,6 +41,7 @@ class SimRequest:
     beam_width: int = 1
     session_id: str | None = None
     turn: int = 0
+    retention: tuple[RetentionRequest, ...] = ()  # as SamplingParams.retention (core/retention.py)
 
 
 @dataclass(slots=True, frozen=True)

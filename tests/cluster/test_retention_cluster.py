@@ -4,6 +4,7 @@ instance of 32 blocks behind the gateway, so a few prompts evict everything unre
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -44,3 +45,19 @@ def test_the_conductor_refuses_a_malformed_retention_by_name(cluster):
     r = httpx.post(f"{cluster.conductor_url}/v1/completions", timeout=60,
                    json={"prompt": "hi", "max_tokens": 1, "kvpool_retention": {"ttl": "2h"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kvpool_retention.ttl"
+
+
+def _retained_blocks(cluster: LocalCluster) -> int:
+    snap = httpx.get(f"{cluster.conductor_url}/cluster", timeout=10).json()
+    return sum(i.get("retained_blocks", 0) for i in snap["instances"].values())
+
+
+def test_the_conductors_index_learns_the_instances_retention_from_its_events(cluster):
+    pinned = "A pinned preamble that the cluster should remember for a long while, line by line. " * 3
+    before = _retained_blocks(cluster)
+    _cached(cluster, pinned, kvpool_retention={"ttl": "1h", "priority": 3})
+    retained, deadline = before, time.monotonic() + 30
+    while retained < before + 3 and time.monotonic() < deadline:  # a later poll of /internal/state carries it
+        time.sleep(0.2)
+        retained = _retained_blocks(cluster)
+    assert retained >= before + 3  # the prompt's full blocks (16 tokens each), live on the conductor's clock

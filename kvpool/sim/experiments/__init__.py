@@ -25,6 +25,7 @@ EXPERIMENTS = {
     "pipeline-prefill": "pipeline_prefill",
     "layerwise-prefill": "layerwise_prefill",
     "waiting-order": "waiting_order",
+    "retention": "retention",
 }
 
 
