@@ -825,17 +825,18 @@ void write_rows(const Problem& p, const Unit& u, const float* rows_out) {
 // only, never the batch or the thread count (docs/determinism.md).
 void plan(const Problem& p, const int64_t* seqs, int64_t num_seqs, std::vector<Unit>& units, std::vector<Item>& items) {
   const int64_t tokens_per_unit = std::max<int64_t>(1, kRowsTarget / p.group);
-  // One KV head's units in a row: a long chunk's units then share that head's keys in L2.
-  for (int64_t h = 0; h < p.kv_heads; ++h)
-    for (int64_t i = 0; i < num_seqs; ++i) {
-      const int64_t s = seqs[i], qlen = p.query_start[s + 1] - p.query_start[s], slen = p.seq_lens[s];
+  // A chunk's units one KV head at a time (they share that head's keys in L2); a decode row's
+  // heads side by side (their keys share cache lines and pages: [block, slot, head, D]).
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t s = seqs[i], qlen = p.query_start[s + 1] - p.query_start[s], slen = p.seq_lens[s];
+    for (int64_t h = 0; h < p.kv_heads; ++h)
       for (int64_t tok0 = 0; tok0 < qlen; tok0 += tokens_per_unit) {
         const int64_t ntok = std::min(tokens_per_unit, qlen - tok0);
         const int64_t first = slen - qlen + tok0, last = first + ntok - 1;
         const int64_t lo = p.window ? std::max<int64_t>(0, first - p.window + 1) / kTile * kTile : 0;
         units.push_back({s, h, tok0, ntok, lo, last + 1, 1, 0});
       }
-    }
+  }
   for (auto& u : units) {
     u.first_item = static_cast<int64_t>(items.size());
     for (int64_t k = u.lo; k < u.hi;) {
