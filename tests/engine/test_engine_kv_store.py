@@ -234,29 +234,37 @@ def test_a_bfloat16_engine_round_trips_its_blocks_through_the_store():
     engine.close()
 
 
-def test_a_stuck_tier_does_not_hold_the_engine(loaded, reference, monkeypatch):
+def _stored_then_stalled(loaded, monkeypatch, headers_pass: bool):
+    """An engine whose request is in its host tier, whose reads of that tier then hang until the
+    returned event is set (all of them, or with `headers_pass` the layer-wise reads past the
+    headers), with a 0.2 s load timeout."""
     engine = make(loaded, kv_host_memory="256MiB")
     run(engine)
     engine.kv_store.store.flush()
     host = engine.kv_store.store.tiers[0]
     release = threading.Event()
-    real_get = host.get
-
-    real_range = host.get_range
+    real_get, real_range = host.get, host.get_range
 
     def stuck_get(key):  # a tier call that does not return until the test lets it
         release.wait()
         return real_get(key)
 
     def stuck_range(key, offset, length):
-        release.wait()
+        if offset > 0 or not headers_pass:
+            release.wait()
         return real_range(key, offset, length)
 
-    monkeypatch.setattr(host, "get", stuck_get)
+    if not headers_pass:
+        monkeypatch.setattr(host, "get", stuck_get)
     monkeypatch.setattr(host, "get_range", stuck_range)
     engine.kv_store.load_timeout_s = 0.2
+    engine.scheduler.kv.reset_prefix_cache()
+    return engine, release
+
+
+def test_a_stuck_tier_does_not_hold_the_engine(loaded, reference, monkeypatch):
+    engine, release = _stored_then_stalled(loaded, monkeypatch, headers_pass=False)
     try:
-        engine.scheduler.kv.reset_prefix_cache()
         out = run(engine)  # would wait forever if the engine waited for the load
         assert out.outputs[0].token_ids == reference
         assert engine.kv_store.timed_out_loads == 1 and out.num_cached_tokens == 0
@@ -268,23 +276,9 @@ def test_a_stuck_tier_does_not_hold_the_engine(loaded, reference, monkeypatch):
 def test_a_tier_stuck_under_the_forward_does_not_hold_it(loaded, reference, monkeypatch):
     """Layer-wise reads: the headers come back, then a layer's read hangs. The forward stops
     waiting after the load timeout, nothing more is written, and the sequence recomputes."""
-    engine = make(loaded, kv_host_memory="256MiB")
-    run(engine)
-    engine.kv_store.store.flush()
-    host = engine.kv_store.store.tiers[0]
-    release = threading.Event()
-    real_range = host.get_range
-
-    def stuck_past_the_headers(key, offset, length):
-        if offset > 0:
-            release.wait()
-        return real_range(key, offset, length)
-
-    monkeypatch.setattr(host, "get_range", stuck_past_the_headers)
-    engine.kv_store.load_timeout_s = 0.2
+    engine, release = _stored_then_stalled(loaded, monkeypatch, headers_pass=True)
     free = engine.scheduler.kv.pool.num_free
     try:
-        engine.scheduler.kv.reset_prefix_cache()
         out = run(engine)
         assert out.outputs[0].token_ids == reference
         assert engine.kv_store.timed_out_loads == 1 and engine.kv_store.rewound_loads == 1
