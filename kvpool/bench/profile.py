@@ -69,8 +69,8 @@ class StepRecorder:
         self._schedule = engine.scheduler.schedule
         engine.scheduler.schedule = self._capture  # type: ignore[method-assign]
 
-    def _capture(self) -> SchedulerOutput:
-        self._last = self._schedule()
+    def _capture(self, now: float | None = None) -> SchedulerOutput:
+        self._last = self._schedule(now)
         return self._last
 
     def step(self) -> list[RequestOutput]:
