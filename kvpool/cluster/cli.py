@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from kvpool.conductor.predictor import CPU_PREDICTOR, StepTimePredictor
 from kvpool.conductor.records import POLICIES, REJECTIONS, ConductorConfig
-from kvpool.serve.auth import add_auth_arguments, api_keys_from_args
+from kvpool.serve.auth import ADMIN_KEY_ENV, add_auth_arguments, api_keys_from_args
 from kvpool.serve.cli import add_connection_arguments, server_config
 from kvpool.serve.gate import DEFAULT_MAX_REQUEST_BYTES
 from kvpool.sizes import parse_bytes
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8080)
     add_auth_arguments(s)
+    s.add_argument("--admin-api-key", default=os.environ.get(ADMIN_KEY_ENV), metavar="KEY",
+                   help=f"the key for cluster pins in any namespace (POST /v1/kv/pin, /v1/kv/unpin through "
+                        f"cache_salt); a tenant's --api-key pins in its own only (default: ${ADMIN_KEY_ENV})")
     s.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
                    help="largest request body accepted; larger ones get 413 (default: 4 MiB)")
     s.add_argument("--served-model-name", default=None)
@@ -66,6 +70,7 @@ def main(args: argparse.Namespace) -> int:
                                   block_size=args.block_size, seed=args.seed),
         served_model_name=args.served_model_name, poll_interval_s=args.poll_interval,
         api_keys=api_keys_from_args(args), cluster_key=args.cluster_key, metrics_open=args.metrics_open,
+        admin_api_key=args.admin_api_key,
         max_request_bytes=parse_bytes(args.max_request_bytes, "--max-request-bytes"),
     )
     app = build_gateway(config, predictor_from(args.profile), load_tokenizer(args.model))

@@ -29,8 +29,10 @@ from pydantic import BaseModel, ConfigDict
 
 from kvpool.cluster.members import Member, MemberPoller
 from kvpool.cluster.metrics import build_registry
+from kvpool.cluster.pins import ClusterPins, install_pins
 from kvpool.cluster.relay import NoInstance, Piece, Relay, RelayStats
 from kvpool.conductor.conductor import Conductor
+from kvpool.conductor.pins import PinBook
 from kvpool.conductor.predictor import StepTimePredictor
 from kvpool.conductor.records import ConductorConfig
 from kvpool.core.hashing import hash_blocks
@@ -82,7 +84,9 @@ class GatewayConfig:
     served_model_name: str | None = None
     poll_interval_s: float = 0.1
     api_keys: list[str] = field(default_factory=list)
-    cluster_key: str | None = None  # sent to the instances' /internal routes
+    cluster_key: str | None = None  # sent to the instances' /internal and pin routes
+    admin_api_key: str | None = None  # cluster pins in any namespace (kvpool.cluster.pins)
+    pin_timeout_s: float = 5.0  # per instance, for a pin's fan-out and replays
     metrics_open: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
@@ -124,7 +128,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, predictor: StepTimePredictor, tokenizer: Any) -> None:
         self.config, self.tokenizer = config, tokenizer
-        self.keys = KeyRing.build(config.api_keys, None, config.metrics_open)
+        self.keys = KeyRing.build(config.api_keys, None, config.metrics_open, config.admin_api_key)
         self.members = config.members()
         prefill_ids = [m.instance_id for m in self.members.values() if m.role in ("prefill", "both")]
         self.decode_ids = [m.instance_id for m in self.members.values() if m.role == "decode"]
@@ -134,17 +138,22 @@ class Gateway:
                                         limits=httpx.Limits(max_connections=None))
         self.poller = MemberPoller(self.members, self.conductor, self.client, config.poll_interval_s)
         self.stats = RelayStats()
-        self.registry = build_registry(self.poller, self.conductor, self.stats)
+        self.pin_book = PinBook()
+        self.pins: ClusterPins | None = None  # set by build_gateway
+        self.registry = build_registry(self.poller, self.conductor, self.stats, self.pin_book)
         self.pool = tokenizer_pool()
         self.created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI):
-        task = asyncio.create_task(self.poller.run())
+        tasks = [asyncio.create_task(self.poller.run())]
+        if self.pins is not None:
+            tasks.append(asyncio.create_task(self.pins.run()))
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.client.aclose()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -330,6 +339,7 @@ class Gateway:
             view.update(self.members[inst].view())
         s = self.stats
         snap["pool"] = self.poller.pool
+        snap["cluster_pins"] = len(self.pin_book.pins(time.monotonic()))
         snap["gateway"] = {
             "requests": s.requests, "completed": s.completed, "rejected": dict(s.rejected),
             "decode_refused": s.decode_refused, "failed": dict(s.failed), "aborted": s.aborted,
@@ -365,6 +375,7 @@ def build_gateway(config: GatewayConfig, predictor: StepTimePredictor, tokenizer
     keyed.add_api_route("/cluster", gw.cluster, methods=["GET"])
     keyed.add_api_route("/cluster/match", gw.match, methods=["POST"])
     app.include_router(keyed)
+    gw.pins = install_pins(app, gw, gw.pin_book, config.pin_timeout_s)  # behind the admin scope
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     open_paths = OPEN_ROUTES | {"/metrics"} if config.metrics_open else OPEN_ROUTES
     app.add_middleware(KeyGate, keys=gw.keys, open_paths=open_paths)  # 401 before routing: no path enumeration

@@ -14,16 +14,18 @@ from kvpool.cluster.members import MemberPoller
 from kvpool.cluster.relay import RelayStats
 from kvpool.conductor.conductor import Conductor
 from kvpool.conductor.index import POOL
+from kvpool.conductor.pins import PinBook
 
 P = "kvpool_conductor:"
 
 
 class GatewayCollector(Collector):
-    def __init__(self, poller: MemberPoller, conductor: Conductor, stats: RelayStats) -> None:
-        self.poller, self.conductor, self.stats = poller, conductor, stats
+    def __init__(self, poller: MemberPoller, conductor: Conductor, stats: RelayStats, pins: PinBook) -> None:
+        self.poller, self.conductor, self.stats, self.pins = poller, conductor, stats, pins
 
     def collect(self) -> Iterator:
         s, c = self.stats, self.conductor
+        now = time.monotonic()
         labels = ["instance", "role"]
         gauges = {
             "instance_up": GaugeMetricFamily(P + "instance_up", "1 while the instance answers polls.", labels=labels),
@@ -32,6 +34,8 @@ class GatewayCollector(Collector):
             "running": GaugeMetricFamily(P + "running_requests", "Running requests (last report).", labels=labels),
             "free": GaugeMetricFamily(P + "free_kv_blocks", "Free KV blocks (last report).", labels=labels),
             "indexed": GaugeMetricFamily(P + "indexed_blocks", "Blocks the index credits to it.", labels=labels),
+            "retained": GaugeMetricFamily(P + "retained_blocks", "Of those, blocks it holds under a live "
+                                          "retention (a pin or a cache_control TTL).", labels=labels),
         }
         for m in self.poller.members.values():
             key = [m.instance_id, m.role]
@@ -40,10 +44,12 @@ class GatewayCollector(Collector):
             gauges["running"].add_metric(key, m.load.get("running", 0))
             gauges["free"].add_metric(key, m.load.get("free_kv_blocks", 0))
             gauges["indexed"].add_metric(key, c.index.num_blocks(m.instance_id))
+            gauges["retained"].add_metric(key, c.index.num_retained(m.instance_id, now))
         yield from gauges.values()
         yield GaugeMetricFamily(P + "pool_blocks", "Blocks credited to the shared pool.", value=c.index.num_blocks(POOL))
-        yield GaugeMetricFamily(P + "in_flight", "Routed requests not finished.",
-                                value=c.snapshot(time.monotonic())["in_flight"])
+        yield GaugeMetricFamily(P + "in_flight", "Routed requests not finished.", value=c.snapshot(now)["in_flight"])
+        yield GaugeMetricFamily(P + "cluster_pins", "Live cluster pins, replayed to instances that join.",
+                                value=len(self.pins.pins(now)))
         outcome = CounterMetricFamily(P + "requests", "Requests by outcome.", labels=["outcome"])
         outcome.add_metric(["completed"], s.completed)
         outcome.add_metric(["rejected"], sum(s.rejected.values()))
@@ -66,7 +72,7 @@ class GatewayCollector(Collector):
         yield CounterMetricFamily(P + "ttft_seconds_count", "Requests with a first token.", value=s.ttft_count)
 
 
-def build_registry(poller: MemberPoller, conductor: Conductor, stats: RelayStats) -> CollectorRegistry:
+def build_registry(poller: MemberPoller, conductor: Conductor, stats: RelayStats, pins: PinBook) -> CollectorRegistry:
     registry = CollectorRegistry()
-    registry.register(GatewayCollector(poller, conductor, stats))
+    registry.register(GatewayCollector(poller, conductor, stats, pins))
     return registry

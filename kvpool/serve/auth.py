@@ -4,7 +4,8 @@ Every route except the open ones (`/health` and its alias `/ping`, which probes 
 key and which say only "up or not", and `/metrics` with `--metrics-open`) depends on
 `KeyRing.api_key` (`/version` too: vLLM leaves it open, but a version names the bugs to try); a cluster member's `/internal/*` routes depend on `KeyRing.cluster_key`.
 Cache-control routes depend on `KeyRing.admin_scope`: a tenant's key acts on its own namespace
-only, the admin key (`--admin-api-key`) on the whole server.
+only, the admin key (`--admin-api-key`) and the cluster key (the conductor's cluster pins) on
+the whole server.
 Keys are compared as SHA-256 digests with `hmac.compare_digest`, against every key (no early
 exit), so neither the key's bytes nor its length nor which key matched shows in the timing.
 
@@ -140,10 +141,14 @@ class KeyRing:
         return self.admin is not None and token is not None and hmac.compare_digest(_digest(token), self.admin)
 
     def admin_scope(self, request: Request) -> Tenant | None:
-        """Who a whole-server operation acts for: None for the whole server (the admin key, or a
-        server with no key at all), else the calling tenant, whose namespace alone it may touch."""
+        """Who a whole-server operation acts for: None for the whole server (the admin key, the
+        cluster key: the conductor, which already scopes `cache_salt` to its tenants as on
+        /internal/generate, or a server with no key at all), else the calling tenant, whose
+        namespace alone it may touch."""
         token = _bearer(request)
-        if self.is_admin(token):
+        admin = self.is_admin(token)
+        conductor = self.cluster is not None and token is not None and hmac.compare_digest(_digest(token), self.cluster)
+        if admin or conductor:
             return None
         if self.open and self.admin is None:
             return None
@@ -200,6 +205,6 @@ def api_keys_from_args(args: argparse.Namespace) -> list[str]:
 
 
 def keyring_from_args(args: argparse.Namespace) -> KeyRing:
-    """`--admin-api-key` exists on `kvpool serve` only (the conductor has no whole-server operations)."""
+    """`kvpool serve`'s keys (the conductor adds its own `--admin-api-key`, for its cluster pins)."""
     return KeyRing.build(api_keys_from_args(args), args.cluster_key, args.metrics_open,
                          getattr(args, "admin_api_key", None))

@@ -131,3 +131,14 @@ def test_the_pool_stays_the_first_pull_source_and_the_snapshot_shows_retained_bl
     c.update_load("hot", InstanceLoad(queued_prefill_tokens=10_000))
     assert c.route(make_request("r", blocks=20), 0.0).pull_from == POOL
     assert c.snapshot(now=0.0)["instances"]["hot"]["retained_blocks"] == 20
+
+
+def test_a_pull_source_ranks_by_its_retention_only_while_it_is_live(predictor):
+    c = conductor(predictor, "kv-centric", prefill=("idle", "h0", "h1"), pull_from_peers=True)
+    for h, queued in (("h0", 9_000), ("h1", 10_000)):
+        c.index.on_stored(h, CHAIN[:20])
+        c.update_load(h, InstanceLoad(queued_prefill_tokens=queued))
+    c.index.on_retention("h1", dict.fromkeys(CHAIN[:20], Retention(50.0, 0)))
+    assert c.route(make_request("r0", blocks=20), 0.0).pull_from == "h1"
+    c.on_failed("r0")
+    assert c.route(make_request("r1", blocks=20), 50.0).pull_from == "h0"  # run out: the less queued again
