@@ -39,13 +39,20 @@ class ReadCost:
 @dataclass(slots=True, frozen=True)
 class LoadEstimates:
     """What a plan needs to know: each tier's `read` cost (a tier left out reads for free: not
-    measured yet), the stored `block_bytes`, the `prefill_s` of a range, and whether the driver
-    `overlap`s reading the loaded range with computing the rest (layer by layer) or reads first."""
+    measured yet), the stored `block_bytes`, the `prefill_s` of a range, and which tiers' reads
+    the driver `overlap`s with computing the rest (layer by layer, under the forward): True for
+    every tier, a set for the tiers named there; the others are read before the forward."""
 
     read: Mapping[str, ReadCost]
     block_bytes: int
     prefill_s: PrefillCost
-    overlap: bool = False
+    overlap: bool | frozenset[str] = False
+
+    def overlaps(self, tier: str | None) -> bool:
+        """Whether a read from `tier` runs under the forward."""
+        if isinstance(self.overlap, bool):
+            return self.overlap
+        return tier in self.overlap
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,19 +82,23 @@ def plan_load(tiers: Sequence[str | None], est: LoadEstimates, start_tokens: int
               block_size: int) -> LoadPlan:
     """The cheapest k for a hit whose blocks sit in `tiers` (one name per block, in order; None:
     unknown, free) after a device hit of `start_tokens`, for a prompt of `prompt_len` tokens that
-    recomputes from `start_tokens + k * block_size` on."""
+    recomputes from `start_tokens + k * block_size` on. A plan costs its reads before the forward
+    plus the longer of its reads under the forward and the recompute."""
     if start_tokens + len(tiers) * block_size >= prompt_len:
         raise ValueError(f"a hit of {len(tiers)} blocks from token {start_tokens} reaches past the prompt's "
                          f"{prompt_len} tokens")
     per_read = {name: cost.seconds(est.block_bytes) for name, cost in est.read.items()}
-    load = [0.0]
+    before, under = [0.0], [0.0]  # the first k blocks' reads before the forward, and under it
     for name in tiers:
-        load.append(load[-1] + per_read.get(name, 0.0) if name is not None else load[-1])
+        s = per_read.get(name, 0.0) if name is not None else 0.0
+        hidden = est.overlaps(name)
+        before.append(before[-1] + (0.0 if hidden else s))
+        under.append(under[-1] + (s if hidden else 0.0))
     totals = []
-    for k, load_s in enumerate(load):
+    for k in range(len(before)):
         done = start_tokens + k * block_size
         compute_s = est.prefill_s(done, prompt_len - done)
-        totals.append((max(load_s, compute_s) if est.overlap else load_s + compute_s, load_s, compute_s))
+        totals.append((before[k] + max(under[k], compute_s), before[k] + under[k], compute_s))
     best = min(range(len(totals)), key=lambda k: (totals[k][0], -k))
     total, load_s, compute_s = totals[best]
     return LoadPlan(best, load_s, compute_s, total, totals[-1][0], totals[0][0])

@@ -225,13 +225,19 @@ def prefix_hashes(kv, token_ids: Sequence[int], cache_salt: str | None, num_toke
     return prefix_keys(kv.group_keys, kv.prompt_hashes(token_ids, cache_salt, limit=full), kv.num_groups)
 
 
+def prefix_blocks(prefix_tokens: int | None, full_blocks: int, block_size: int) -> int:
+    """How many of a prompt's `full_blocks` blocks of `block_size` tokens lie within its first
+    `prefix_tokens` tokens (None: all): what a retention (or an unpin) covers."""
+    return full_blocks if prefix_tokens is None else min(full_blocks, prefix_tokens // block_size)
+
+
 def retain_hashes(kv, hashes: Sequence[BlockHash], request: RetentionRequest, now: float) -> int:
     """Apply a request's retention, from `now` (its arrival), to the blocks it covers among a
     prompt's full blocks `hashes` (group 0's chained hashes, as admission uses them; `kv` a
     KVCacheManager); returns how many keys it holds (blocks per layer group)."""
     table = table_of(kv.pool)
     table.advance(now)
-    n = len(hashes) if request.prefix_tokens is None else min(len(hashes), request.prefix_tokens // kv.block_size)
+    n = prefix_blocks(request.prefix_tokens, len(hashes), kv.block_size)
     return table.retain(prefix_keys(kv.group_keys, hashes[:n], kv.num_groups), request.retention(now))
 
 

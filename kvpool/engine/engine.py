@@ -252,7 +252,8 @@ class Engine:
         )
         self.scheduler.add_request(group)  # refuses a request id in use; from here nothing can fail
         metrics = RequestMetrics(request_id, group.arrival_time, seq.prompt_len,
-                                 n_param=params.n, max_tokens_param=params.max_tokens, added_s=time.monotonic())
+                                 n_param=params.n, max_tokens_param=params.max_tokens, added_s=time.monotonic(),
+                                 retention_param=params.retention)
         self.outputs.add(group, req.prompt, metrics)
         self.controls.add(request_id, req.controls)
         return request_id

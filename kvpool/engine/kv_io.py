@@ -25,8 +25,10 @@ forward will run for are read and written whole before the step (rewound the sam
 Load or recompute (`plan_loads`): the connector is the scheduler's `LoadCosts`. It times every
 forward pass against its tokens (the prefill cost, an online line) and hands the store's per-tier
 read estimates to admission, which loads a hit only as far as that beats recomputing it
-(kvpool/core/load_plan.py). A tier not read for `read_estimate_max_age_s` is priced as unknown
-(free), so a tier that was slow gets read, and measured, again.
+(kvpool/core/load_plan.py); with layer-wise reads the tiers read layer by layer under the forward
+(`RangeReads`) are priced overlapped with the recompute, the others as read first. A tier not read
+for `read_estimate_max_age_s` is priced as unknown (free), so a tier that was slow gets read, and
+measured, again.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from kvpool.engine.runner import ModelRunner
 from kvpool.sched.layerwise import LayerwisePlan, plan_layerwise
 from kvpool.sched.scheduler import KVLoad, Scheduler, SchedulerOutput
 from kvpool.store.kv_store import TieredKVStore
+from kvpool.store.tier import RangeReads
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,9 @@ class KVStoreConnector:
         self.prefill = LinearEstimate()  # seconds of a forward pass against its tokens
         self._forward: tuple[float, int] | None = None  # (start, tokens) of the forward under way
         self.block_bytes = math.prod(store.block_shape) * store.dtype.itemsize * runner.groups.num_groups
+        # the tiers whose reads run under the forward (layer by layer): the planner prices them overlapped
+        self.overlapped_tiers = frozenset(t.name for t in store.tiers if isinstance(t, RangeReads)
+                                          ) if self.layerwise_reads else frozenset()
         if plan_loads:
             scheduler.admission.load_costs = self
         store.follow_retention(lambda: scheduler.kv.pool.retention)  # tiers honour the device's pins
@@ -96,7 +102,7 @@ class KVStoreConnector:
         if self.prefill.count == 0:
             return None
         return LoadEstimates(self.store.read_costs(self.read_estimate_max_age_s), self.block_bytes,
-                             self.prefill_s, overlap=False)
+                             self.prefill_s, overlap=self.overlapped_tiers)
 
     def prefill_s(self, cached_tokens: int, new_tokens: int) -> float:
         """Estimated seconds to compute `new_tokens` prompt tokens: one step's fixed cost per chunk

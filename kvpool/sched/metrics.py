@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpool.core.miss_reasons import PromptSources
+from kvpool.core.retention import RetentionRequest
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class RequestMetrics:
     first_scheduled_s: float | None = None
     n_param: int = 1  # the request's n and max_tokens (the server's per-request histograms)
     max_tokens_param: int | None = None
+    retention_param: tuple[RetentionRequest, ...] = ()  # what it asked to keep (the request log records it)
     prompt_sources: PromptSources | None = None  # where the prompt's KV came from, why the rest was computed
     added_s: float | None = None  # when the driver admitted it into its queue (after the front's work)
     phases: FirstTokenPhases | None = None  # its time to first token, by phase, once it has run

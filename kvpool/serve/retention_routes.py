@@ -79,6 +79,11 @@ class RetentionCollector:
             yield fam
 
 
+def _recorder(state: ServerState):
+    """The server's request log (`--record-requests`), or None."""
+    return getattr(getattr(state.engine, "metrics", None), "recorder", None)
+
+
 def install_retention(app: FastAPI, state: ServerState) -> None:
     """The pin routes behind the admin scope, and the collector on the server's registry."""
     keys = state.keys
@@ -111,6 +116,8 @@ def install_retention(app: FastAPI, state: ServerState) -> None:
         def apply(e) -> tuple[int, int]:
             kv = e.scheduler.kv
             held = retain_prompt(kv, ids, salt, retention, now)
+            if (recorder := _recorder(state)) is not None:  # `serve --record-requests`: sim replay pins too
+                recorder.record_pin(now, kv.prompt_hashes(ids, salt), retention)
             return held // kv.num_groups, pinned_blocks(kv.pool)
 
         blocks, pinned = await state.engine.call(apply)
@@ -122,9 +129,12 @@ def install_retention(app: FastAPI, state: ServerState) -> None:
         if req.ttl is not None or req.priority != 0:
             raise InvalidRequest("unpin takes no ttl or priority", param="ttl" if req.ttl is not None else "priority")
         ids, salt = await ids_and_salt(req, tenant)
+        now = time.monotonic()
 
         def apply(e) -> int:
             kv = e.scheduler.kv
+            if (recorder := _recorder(state)) is not None:
+                recorder.record_unpin(now, kv.prompt_hashes(ids, salt), req.prefix_tokens)
             return release_prompt(kv, ids, salt, req.prefix_tokens) // kv.num_groups
 
         return {"unpinned_blocks": await state.engine.call(apply), "scope": scope(tenant)}

@@ -9,8 +9,9 @@ becomes. `decode_run` takes the commonest step, a plain decode step
 drivers that step many times between changes.
 
 With a `SimStore` (a host, disk or remote tier) the scheduler plans store hits past the device
-prefix cache as `KVLoad`s, exactly as for the engine's store; the step that plans them pays the
-tier's load cost and they land when it ends (the engine's `complete_loads()`).
+prefix cache as `KVLoad`s, exactly as for the engine's store, as far as loading beats recomputing
+them (the engine's planner); they land when the step ends (the engine's `complete_loads()`), and
+`StoreReads` prices them as the engine reads them (whole-block or layer-wise).
 
 Beam search runs the core's `BeamSearch` on candidates from a seeded stand-in for the model:
 each beam offers continuations whose logprobs fall by Exp(1) draws, so beams with better
@@ -44,9 +45,9 @@ from kvpool.sched.request import SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.sim.metrics import RequestMetrics
-from kvpool.sim.sim_store import SimStore
+from kvpool.sim.sim_store import SimStore, StoreReads
 from kvpool.sim.tokens import BlockHasher, TokenSynth
-from kvpool.sim.workloads import SimRequest
+from kvpool.sim.workloads import SimPin, SimRequest
 
 _MARKER_BASE = 1 << 48  # placeholder token ids, above any vocabulary
 
@@ -63,6 +64,7 @@ class StepResult:
     batch_size: int = 0
     end: float = math.nan
     steps: int = 1
+    loads: int = 0  # store loads planned (a layer-wise load's planning step may take no time)
 
 
 @dataclass(slots=True)
@@ -90,6 +92,7 @@ class SimInstance:
         self.instance_id = instance_id
         self.sched = Scheduler(config, external_kv=store.lookup if store is not None else None)
         self.store = store
+        self.reads = StoreReads(store, self.sched, cost_model) if store is not None else None
         self.cost_model = cost_model
         self.hasher = hasher or BlockHasher(config.block_size, TokenSynth(), config.namespace)
         self.metrics: dict[str, RequestMetrics] = {}
@@ -144,7 +147,8 @@ class SimInstance:
         sched = self.sched
         out = sched.schedule(now)  # virtual time: what retention TTLs expire against
         scheduled = out.scheduled
-        if not scheduled and not out.kv_loads:
+        reads = self.reads
+        if not scheduled and not out.kv_loads and not (reads is not None and reads.staged):
             return StepResult(0.0)
         batch = StepBatch(
             [s.num_new_tokens for s in scheduled],
@@ -156,9 +160,9 @@ class SimInstance:
         )
         if out.kv_loads:
             self._plan_loads(out, batch)
-        duration = self.cost_model.step_time(batch)
+        duration = reads.step_time(batch) if reads is not None else self.cost_model.step_time(batch)
         end = self._last_end = now + duration
-        result = StepResult(duration, batch_size=len({id(s.group) for s in scheduled}))
+        result = StepResult(duration, batch_size=len({id(s.group) for s in scheduled}), loads=len(out.kv_loads))
         self._count(out, duration, result.batch_size)
         rows = out.sampling
         seen: set[str] = set()
@@ -171,22 +175,15 @@ class SimInstance:
         for load in out.kv_loads:  # landed with the step, as the engine's complete_loads() reports them
             if sched.kv_load_valid(load):
                 sched.finish_kv_load(load, len(load.hashes))
+                reads.landed(len(load.hashes))
         return result
 
     def _plan_loads(self, out: SchedulerOutput, batch: StepBatch) -> None:
-        """Cost the step's store loads on the store's tier (they land when the step ends)."""
-        assert self.store is not None, "the scheduler planned loads without a store"
+        """Count the step's store loads and cost them as the store is read (`StoreReads`)."""
+        assert self.reads is not None, "the scheduler planned loads without a store"
         loaded = sum(len(ld.hashes) for ld in out.kv_loads)
-        # a layer-grouped model's block holds 1/G of the layers the cost model's block does
-        groups = self.sched.kv.num_groups
-        n = -(-loaded // groups)
-        if self.store.tier == "host":
-            batch.blocks_from_host = n
-        elif self.store.tier == "disk":
-            batch.blocks_from_disk = n
-        else:
-            batch.blocks_from_remote = n
         self.counters.loaded_blocks += loaded
+        self.reads.planned(batch, loaded)
 
     def decode_run(self, now: float, until: float) -> Iterator[StepResult]:
         """Plain decode steps (`kvpool.sched.decode_batch`) from `now` while each starts before
@@ -343,13 +340,17 @@ def run_instance(
     on_step: Callable[[SimInstance, float, StepResult], None] | None = None,
     sample_every: int = 0,
     hasher: BlockHasher | None = None,
+    store: SimStore | None = None,
+    pins: Sequence[SimPin] = (),
 ) -> InstanceRun:
     """Event-driven loop: step while there is work, jump to the next arrival when idle.
-    Arrivals at or before the current instant join before the next step."""
-    inst = SimInstance("i0", scheduler_config, cost_model, hasher)
+    Arrivals (and `pins`, first at equal times) at or before the current instant join before
+    the next step."""
+    inst = SimInstance("i0", scheduler_config, cost_model, hasher, store)
     if scheduler_config.record_kv_events:
         raise ConfigError("run_instance does not drain KV events; leave record_kv_events off")
-    pending = [(r.arrival_s, i, r) for i, r in enumerate(requests)]
+    pending: list[tuple[float, int, SimRequest | SimPin]] = [(r.arrival_s, i, r) for i, r in enumerate(requests)]
+    pending += [(p.at_s, i - len(pins), p) for i, p in enumerate(pins)]
     heapq.heapify(pending)
     all_metrics: list[RequestMetrics] = []
     run = InstanceRun(all_metrics, inst, 0.0)
@@ -357,19 +358,24 @@ def run_instance(
     while pending or inst.has_work():
         while pending and pending[0][0] <= now:
             _, _, r = heapq.heappop(pending)
-            all_metrics.append(inst.add(r, r.arrival_s))
+            if isinstance(r, SimPin):
+                r.apply(inst.sched.kv, inst.hasher)
+            else:
+                all_metrics.append(inst.add(r, r.arrival_s))
         if not inst.has_work():
+            if not pending:  # only pins were left
+                break
             now = max(now, pending[0][0])
             continue
         res = inst.step(now)
-        if res.duration == 0.0:
+        if res.duration == 0.0 and not res.loads:
             raise ConfigError(f"instance stalled at t={now:.3f}: a request can never be scheduled")
         now += res.duration
+        run.end_s = now
         if on_step is not None:
             on_step(inst, now, res)
         if sample_every and inst.counters.steps % sample_every == 0:
             run.samples.append((now, inst.sched.kv.usage().usage, res.batch_size))
-    run.end_s = now
     return run
 
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.core.retention import RetentionRequest
+from kvpool.core.retention import RetentionRequest, prefix_keys, retain_hashes
 from kvpool.errors import ConfigError
-from kvpool.sim.tokens import Chunks
+from kvpool.sim.tokens import BlockHasher, Chunks
 
 # Chunk-id spaces, so trace hash ids, synthetic pieces and generated outputs never collide.
 SYNTHETIC_CHUNK_BASE = 1 << 40
@@ -42,6 +42,25 @@ class SimRequest:
     session_id: str | None = None
     turn: int = 0
     retention: tuple[RetentionRequest, ...] = ()  # as SamplingParams.retention (core/retention.py)
+
+
+@dataclass(slots=True, frozen=True)
+class SimPin:
+    """An operator's pin (`POST /v1/kv/pin`) at `at_s` of the prompt blocks `chunks` name, with
+    `retention` over all of them; without (None), an unpin of them."""
+
+    at_s: float
+    chunks: Chunks
+    retention: RetentionRequest | None = None
+
+    def apply(self, kv, hasher: BlockHasher) -> int:
+        """Pin or unpin the blocks in `kv` (a KVCacheManager), hashed as its instance hashes
+        prompts (`hasher`), as the routes do (core/retention.py); returns the keys affected."""
+        hashes = hasher.hashes(self.chunks)
+        if self.retention is not None:
+            return retain_hashes(kv, hashes, self.retention, self.at_s)
+        table = kv.pool.retention
+        return 0 if table is None else table.release(prefix_keys(kv.group_keys, hashes, kv.num_groups))
 
 
 @dataclass(slots=True, frozen=True)

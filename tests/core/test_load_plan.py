@@ -24,20 +24,31 @@ def linear_prefill(per_token: float, per_step: float = 0.0):
 
 
 def cost(tiers, est, start, prompt_len, k):
-    load = sum(est.read[t].seconds(est.block_bytes) for t in tiers[:k] if t in est.read)
+    """Loading k blocks: the reads of tiers not overlapped first, then the forward, which takes
+    the longer of the recompute and the overlapped tiers' reads."""
     done = start + k * B
     compute = est.prefill_s(done, prompt_len - done)
-    return max(load, compute) if est.overlap else load + compute
+    first = under = 0.0
+    for t in tiers[:k]:
+        if t not in est.read:
+            continue
+        hidden = est.overlap is True or (not isinstance(est.overlap, bool) and t in est.overlap)
+        if hidden:
+            under += est.read[t].seconds(est.block_bytes)
+        else:
+            first += est.read[t].seconds(est.block_bytes)
+    return first + max(under, compute)
 
 
 hits = st.lists(st.sampled_from(TIERS), min_size=0, max_size=24)
 bandwidths = st.floats(1e4, 1e11)
 latencies = st.floats(0.0, 0.05)
+overlaps = st.one_of(st.booleans(), st.frozensets(st.sampled_from(TIERS)))
 
 
 @settings(max_examples=200, deadline=None)
 @given(hits, st.integers(0, 8), st.integers(1, 40), st.dictionaries(st.sampled_from(TIERS),
-       st.tuples(latencies, bandwidths)), st.floats(1e-6, 1e-2), st.floats(0, 0.05), st.booleans())
+       st.tuples(latencies, bandwidths)), st.floats(1e-6, 1e-2), st.floats(0, 0.05), overlaps)
 def test_the_chosen_k_minimizes_the_models_cost(tiers, start_blocks, tail, read, per_token, per_step, overlap):
     est = LoadEstimates({t: ReadCost(*lb) for t, lb in read.items()}, 2**18, linear_prefill(per_token, per_step),
                         overlap)
@@ -51,7 +62,7 @@ def test_the_chosen_k_minimizes_the_models_cost(tiers, start_blocks, tail, read,
 
 @settings(max_examples=200, deadline=None)
 @given(hits, st.integers(1, 40), st.sampled_from(TIERS), latencies, bandwidths, st.floats(1.01, 100.0),
-       st.floats(1e-6, 1e-2), st.booleans())
+       st.floats(1e-6, 1e-2), overlaps)
 def test_a_faster_tier_never_loads_fewer_blocks(tiers, tail, tier, latency, bw, faster, per_token, overlap):
     read = {t: ReadCost(0.001, 1e9) for t in TIERS}
     slow = LoadEstimates({**read, tier: ReadCost(latency, bw)}, 2**18, linear_prefill(per_token), overlap)
@@ -85,6 +96,35 @@ def test_overlap_loads_what_hides_under_the_recompute():
     assert plan_load(["disk"] * 8, est, 0, 8 * B + 1, B).blocks == 0
     overlapped = LoadEstimates(est.read, est.block_bytes, prefill, overlap=True)
     assert 0 < plan_load(["disk"] * 8, overlapped, 0, 8 * B + 1, B).blocks < 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(hits, st.integers(1, 40), st.dictionaries(st.sampled_from(TIERS), st.tuples(latencies, bandwidths)),
+       st.floats(1e-6, 1e-2), overlaps)
+def test_overlapping_reads_never_plan_a_slower_prefill_and_all_tiers_is_true(tiers, tail, read, per_token, overlap):
+    read = {t: ReadCost(*lb) for t, lb in read.items()}
+    prompt_len = len(tiers) * B + tail
+
+    def plan(o):
+        return plan_load(tiers, LoadEstimates(read, 2**18, linear_prefill(per_token), o), 0, prompt_len, B)
+
+    assert plan(overlap).total_s <= plan(False).total_s
+    assert plan(True).total_s <= plan(overlap).total_s
+    assert plan(frozenset(TIERS)) == plan(True) and plan(frozenset()) == plan(False)
+
+
+def test_a_tier_read_under_the_forward_loads_what_hides_and_one_read_first_does_not():
+    prefill = linear_prefill(1e-3)  # 16 ms a block
+    slow = ReadCost(0.02, 1e12)  # 20 ms a block: slower than computing it
+    est = LoadEstimates({"disk": slow, "remote": slow}, 2**18, prefill, overlap=frozenset({"disk"}))
+    assert est.overlaps("disk") and not est.overlaps("remote") and not est.overlaps(None)
+    disk = plan_load(["disk"] * 8, est, 0, 8 * B + 1, B)
+    # k blocks read under the recompute of the rest: max(20k, 16(8 - k) + 1) ms is least at k = 4
+    assert disk.blocks == 4 and disk.total_s == pytest.approx(0.080, rel=1e-3)
+    assert plan_load(["remote"] * 8, est, 0, 8 * B + 1, B).blocks == 0
+    # a hit that starts in the read-first tier pays that part before the forward, the rest under it
+    mixed = plan_load(["remote"] * 2 + ["disk"] * 6, est, 0, 8 * B + 1, B)
+    assert mixed.blocks == 5 and mixed.total_s == pytest.approx(0.040 + 0.060, rel=1e-3)
 
 
 def test_a_hit_past_the_prompt_is_refused():

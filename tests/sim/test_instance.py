@@ -14,6 +14,7 @@ from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.instance import SimInstance, run_instance
 from kvpool.sim.sim_store import SimStore
+from kvpool.sim.tokens import BlockHasher, TokenSynth
 from kvpool.sim.workloads import SimRequest, WorkloadSpec, synthetic_workload
 
 
@@ -97,7 +98,7 @@ def test_store_hits_load_through_the_schedulers_kv_load_path(tier_holds):
     the blocks past the device hit that the tier holds, the group waits one step for them (which
     costs the load), then computes only the rest of its prompt."""
     cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=64)
-    store = SimStore(KVCacheManager(16, 4))
+    store = SimStore(KVCacheManager(16, 4), plan=False)  # every hit loads
     inst = SimInstance("i0", cfg, LoadCost(), store=store)
     req = _req("r0", 0.0, 10, 2, 7)  # 2 full prompt blocks, 2 tokens in the partial third
     hashes = inst.hashes_for(req)
@@ -119,6 +120,42 @@ def test_store_hits_load_through_the_schedulers_kv_load_path(tier_holds):
     assert inst.counters.prefill_tokens == 10 - loaded
 
 
-def test_a_store_tier_must_be_known():
+def test_a_store_tier_must_be_known_and_planning_needs_transfer_costs():
     with pytest.raises(ConfigError, match="tier"):
         SimStore(KVCacheManager(4, 4), tier="tape")
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=64)
+    with pytest.raises(ConfigError, match="LoadCost has none"):
+        SimInstance("i0", cfg, LoadCost(), store=SimStore(KVCacheManager(16, 4)))
+
+
+
+class LayerCost(TokenCost):
+    """TokenCost plus 1 ms per block read from any tier, and the transfer costs the planner reads
+    (the same 1 ms: 4 KiB blocks at 4 MB/s, no latency)."""
+
+    transfers = TransferCosts(4096, 4096 / 1e-3, 0.0, 4096 / 1e-3, 0.0, 4096 / 1e-3, 0.0, 0.0)
+
+    def step_time(self, batch: StepBatch) -> float:
+        compute = super().step_time(batch) if batch.new_tokens else 0.0
+        return compute + 1e-3 * (batch.blocks_from_host + batch.blocks_from_disk + batch.blocks_from_remote)
+
+
+@pytest.mark.parametrize(("tier", "layerwise", "first"), [
+    ("disk", True, [0.0, 3e-3]),  # headers only (free), then the reads (2 ms) under the 3 ms forward
+    ("disk", False, [2e-3, 3e-3]),  # the reads, then the step that computes
+    ("remote", True, [2e-3, 3e-3]),  # a remote pool is read whole even layer-wise, as in the engine
+])
+def test_layerwise_store_reads_run_under_the_next_forward_and_are_planned_overlapped(tier, layerwise, first):
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=64)
+    req = _req("r0", 0.0, 10, 2, 7)  # 2 full blocks in the store; 4 ms to compute them, 2 ms to read
+    hasher = BlockHasher(4, TokenSynth())
+    store = SimStore(KVCacheManager(16, 4), tier, layerwise=layerwise)
+    assert store.put(hasher.hashes(req.chunks)) == 2
+    durations = []
+    run = run_instance([req], cfg, LayerCost(), on_step=lambda inst, now, res: durations.append(res.duration),
+                       hasher=hasher, store=store)
+    inst = run.instance
+    assert inst.reads.layerwise == (layerwise and tier == "disk")
+    assert inst.sched.admission.load_costs.estimates().overlap is inst.reads.layerwise
+    assert durations == pytest.approx(first + [2e-3])  # the planner loads both blocks
+    assert inst.counters.loaded_blocks == 2 and run.metrics[0].cached_tokens == 8

@@ -14,9 +14,19 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpool.core.retention import RetentionRequest
 from kvpool.errors import ConfigError
 from kvpool.sched.scheduler import SchedulerConfig
-from kvpool.sim.replay import Recorded, load_record, recorded_summary, replay, replay_requests
+from kvpool.sim.replay import (
+    Recorded,
+    RecordedPin,
+    load_log,
+    load_record,
+    recorded_summary,
+    replay,
+    replay_requests,
+    replay_workload,
+)
 from kvpool.sim.tokens import BlockHasher, TokenSynth
 
 
@@ -24,6 +34,16 @@ def line(**over) -> str:
     rec = {"v": 1, "arrival_s": 1.0, "block_size": 4, "block_hashes": ["aa", "bb"], "prompt_len": 9,
            "output_len": 3, "cached_tokens": 0, "ttft_s": 0.1, "scope": None}
     return json.dumps({**rec, **over})
+
+
+def pin_line(kind: str = "pin", drop: str | None = None, **over) -> str:
+    rec = {"v": 2, "kind": kind, "at_s": 0.5, "block_size": 4, "block_hashes": ["s0", "s1"], "ttl_s": None,
+           "priority": 50}
+    if kind == "unpin":
+        del rec["ttl_s"], rec["priority"]
+    rec.update(over)
+    rec.pop(drop, None)
+    return json.dumps(rec)
 
 
 def test_equal_recorded_hashes_are_equal_prefixes_in_the_simulator(tmp_path: Path):
@@ -55,7 +75,12 @@ class _FixedCost:
 
 @pytest.mark.parametrize(("text", "message"), [
     ("{not json", "log.jsonl:1: not JSON"),
-    (line(v=2), "log.jsonl:1: not a version-1"),
+    (line(v=3), "log.jsonl:1: not a version-1/2"),
+    (line(v=2, kind="evict"), "log.jsonl:1: unknown record kind 'evict'"),
+    (pin_line(ttl_s=None, drop="priority"), "log.jsonl:1: pin record lacks \\['priority'\\]"),
+    (pin_line(ttl_s=-1.0), "log.jsonl:1: bad record .*ttl"),
+    (line(v=2, retention=[{"blocks": 1, "ttl_s": 5.0}]), "log.jsonl:1: bad record .*priority"),
+    (pin_line(), "holds no request"),
     (json.dumps({"v": 1, "arrival_s": 0}), "log.jsonl:1: record lacks"),
     (line(block_hashes=["a", "b", "c"]), "3 block hashes of 4 tokens for a prompt of 9"),
     ("", "holds no request"),
@@ -137,3 +162,75 @@ def test_replay_at_the_recorded_configuration_reproduces_the_server(tmp_path: Pa
     assert recorded["prefix_hit_rate"] > 0.4  # the shared system prompts are reused
     assert abs(replayed["prefix_hit_rate"] - recorded["prefix_hit_rate"]) <= 0.02
     assert abs(replayed["ttft_mean_s"] - recorded["ttft_mean_s"]) <= 0.15 * recorded["ttft_mean_s"]
+
+
+SYSTEM = ["s0", "s1", "s2", "s3"]  # a 4-block system prompt; the cache holds 16 blocks
+
+
+def _pressured_log(tmp_path: Path, retention: list | None, pins: list[str] = ()) -> Path:
+    """The system prompt at t=1 (with `retention`: a version-2 line), six one-off prompts that
+    flush every unretained block, the system prompt again at t=10; `pins`: extra lines."""
+    lines = [line(v=2 if retention is not None else 1, arrival_s=1.0, block_hashes=SYSTEM, prompt_len=18,
+                  **({"retention": retention} if retention is not None else {}))]
+    lines += [line(arrival_s=2.0 + i, block_hashes=[f"o{i}-{j}" for j in range(4)], prompt_len=18) for i in range(6)]
+    lines.append(line(arrival_s=10.0, block_hashes=SYSTEM, prompt_len=17))
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join([*pins, *lines]) + "\n")
+    return log
+
+
+def _last_cached(log: Path) -> int:
+    """Cached tokens of the log's last request, replayed on a 16-block cache."""
+    records = load_log(log)
+    _, run = replay(records.requests, SchedulerConfig(num_blocks=16, block_size=4), _FixedCost(), records.pins)
+    return max(run.metrics, key=lambda m: m.arrival_s).cached_tokens
+
+
+def test_a_recorded_retention_keeps_its_prefix_through_the_replays_churn(tmp_path: Path):
+    assert _last_cached(_pressured_log(tmp_path, None)) == 0  # unretained: flushed, as LRU does
+    kept = [{"blocks": 4, "ttl_s": None, "priority": 10}]
+    reqs = replay_requests(load_record(_pressured_log(tmp_path, kept)))
+    assert reqs[0].retention == (RetentionRequest(16, None, 10),) and reqs[1].retention == ()
+    assert _last_cached(_pressured_log(tmp_path, kept)) == 16
+    # a TTL that lapses before the second use keeps nothing (virtual time, from the arrival)
+    assert _last_cached(_pressured_log(tmp_path, [{"blocks": 4, "ttl_s": 3.0, "priority": 0}])) == 0
+    assert _last_cached(_pressured_log(tmp_path, [{"blocks": 2, "ttl_s": 60.0, "priority": 0}])) == 8
+
+
+def test_a_recorded_pin_holds_in_the_replay_until_its_recorded_unpin(tmp_path: Path):
+    pin = pin_line(at_s=0.5, block_hashes=SYSTEM)
+    log = _pressured_log(tmp_path, None, [pin])
+    records = load_log(log)
+    assert [r.arrival_s for r in replay_requests(records.requests)][:2] == [0.0, 1.0]
+    _, pins = replay_workload(records.requests, records.pins)  # times from the pin, the first event
+    assert pins[0].at_s == 0.0 and pins[0].retention == RetentionRequest(None, None, 50)
+    assert _last_cached(log) == 16  # pinned before the prompt was computed: held once it registers
+    late = _pressured_log(tmp_path, None, [pin, pin_line("unpin", at_s=50.0, block_hashes=SYSTEM)])
+    assert _last_cached(late) == 16  # an unpin after the last request changes nothing
+    unpinned = _pressured_log(tmp_path, None, [pin, pin_line("unpin", at_s=5.0, block_hashes=SYSTEM)])
+    assert _last_cached(unpinned) == 0
+
+
+def test_the_recorder_writes_retention_and_pins_that_the_replay_reads_back(tmp_path: Path):
+    from kvpool.core.miss_reasons import PromptSources
+    from kvpool.engine.outputs import RequestMetrics, RequestOutput
+    from kvpool.serve.recorder import RequestRecorder
+
+    rec = RequestRecorder(tmp_path / "log.jsonl", block_size=4, origin=100.0)
+    hashes = tuple(bytes([i]) * 16 for i in range(4))
+    metrics = RequestMetrics("r", 101.0, 18, token_times=[101.5, 101.6],
+                             retention_param=(RetentionRequest(10, 30.0, 5), RetentionRequest(None, None, 0)),
+                             prompt_sources=PromptSources(18, 4, hashes=hashes))
+    rec.record(RequestOutput("r", [7] * 18, [], True, 0, metrics))
+    rec.record_pin(100.5, hashes, RetentionRequest(8, None, 50))
+    rec.record_unpin(102.0, hashes, None)
+    rec.close()
+    lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert lines[0]["v"] == 2 and "kind" not in lines[0]
+    assert lines[0]["retention"] == [{"blocks": 2, "ttl_s": 30.0, "priority": 5},
+                                     {"blocks": 4, "ttl_s": None, "priority": 0}]
+    assert "prompt" not in lines[0] and lines[1]["kind"] == "pin" and lines[2]["kind"] == "unpin"
+    log = load_log(tmp_path / "log.jsonl")
+    assert log.requests[0].retention == (RetentionRequest(8, 30.0, 5), RetentionRequest(16, None, 0))
+    assert log.pins == [RecordedPin(0.5, 4, tuple(h.hex() for h in hashes[:2]), RetentionRequest(None, None, 50)),
+                        RecordedPin(2.0, 4, tuple(h.hex() for h in hashes), None)]

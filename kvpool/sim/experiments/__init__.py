@@ -26,6 +26,7 @@ EXPERIMENTS = {
     "layerwise-prefill": "layerwise_prefill",
     "waiting-order": "waiting_order",
     "retention": "retention",
+    "load-or-recompute": "load_plan",
 }
 
 
