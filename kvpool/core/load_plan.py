@@ -17,7 +17,7 @@ forward) are read.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvpool.core.hashing import BlockHash
@@ -41,12 +41,15 @@ class LoadEstimates:
     """What a plan needs to know: each tier's `read` cost (a tier left out reads for free: not
     measured yet), the stored `block_bytes`, the `prefill_s` of a range, and which tiers' reads
     the driver `overlap`s with computing the rest (layer by layer, under the forward): True for
-    every tier, a set for the tiers named there; the others are read before the forward."""
+    every tier, a set for the tiers named there; the others are read before the forward. Those
+    reads hide under the group's first forward only: `first_forward_tokens` is how many new
+    tokens it computes at most (the token budget of a chunked prefill; None: the whole rest)."""
 
     read: Mapping[str, ReadCost]
     block_bytes: int
     prefill_s: PrefillCost
     overlap: bool | frozenset[str] = False
+    first_forward_tokens: int | None = None
 
     def overlaps(self, tier: str | None) -> bool:
         """Whether a read from `tier` runs under the forward."""
@@ -82,8 +85,9 @@ def plan_load(tiers: Sequence[str | None], est: LoadEstimates, start_tokens: int
               block_size: int) -> LoadPlan:
     """The cheapest k for a hit whose blocks sit in `tiers` (one name per block, in order; None:
     unknown, free) after a device hit of `start_tokens`, for a prompt of `prompt_len` tokens that
-    recomputes from `start_tokens + k * block_size` on. A plan costs its reads before the forward
-    plus the longer of its reads under the forward and the recompute."""
+    recomputes from `start_tokens + k * block_size` on. A plan costs its reads before the forward,
+    the longer of its reads under the forward and the first forward's share of the recompute, and
+    the rest of the recompute."""
     if start_tokens + len(tiers) * block_size >= prompt_len:
         raise ValueError(f"a hit of {len(tiers)} blocks from token {start_tokens} reaches past the prompt's "
                          f"{prompt_len} tokens")
@@ -97,8 +101,11 @@ def plan_load(tiers: Sequence[str | None], est: LoadEstimates, start_tokens: int
     totals = []
     for k in range(len(before)):
         done = start_tokens + k * block_size
-        compute_s = est.prefill_s(done, prompt_len - done)
-        totals.append((before[k] + max(under[k], compute_s), before[k] + under[k], compute_s))
+        new = prompt_len - done
+        compute_s = est.prefill_s(done, new)
+        first = new if est.first_forward_tokens is None else min(new, est.first_forward_tokens)
+        first_s = compute_s if first == new else est.prefill_s(done, first)
+        totals.append((before[k] + max(under[k], first_s) + compute_s - first_s, before[k] + under[k], compute_s))
     best = min(range(len(totals)), key=lambda k: (totals[k][0], -k))
     total, load_s, compute_s = totals[best]
     return LoadPlan(best, load_s, compute_s, total, totals[-1][0], totals[0][0])
@@ -112,7 +119,7 @@ def break_even_bandwidth(est: LoadEstimates, tier: str, start_tokens: int, promp
     latency = est.read[tier].latency_s if tier in est.read else 0.0
 
     def loads_all(bw: float) -> bool:
-        trial = LoadEstimates({**est.read, tier: ReadCost(latency, bw)}, est.block_bytes, est.prefill_s, est.overlap)
+        trial = replace(est, read={**est.read, tier: ReadCost(latency, bw)})
         return plan_load([tier] * blocks, trial, start_tokens, prompt_len, block_size).blocks == blocks
 
     if not loads_all(high):

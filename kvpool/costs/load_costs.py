@@ -28,9 +28,10 @@ def tier_read_cost(transfers: TransferCosts, tier: str) -> ReadCost:
 class ModelLoadCosts:
     """`LoadCosts` (kvpool/core/load_plan.py) of one store `tier` priced by `cost_model` (a
     `RooflineCostModel` or `MeasuredCostModel`: anything with `step_time` and `transfers`);
-    `overlap`: the tier is read under the forward (layer-wise), as `LoadEstimates.overlap`."""
+    `overlap`: the tier is read under the forward (layer-wise), as `LoadEstimates.overlap`, whose
+    first computes at most `first_forward_tokens` (the scheduler's token budget)."""
 
-    def __init__(self, cost_model, tier: str, overlap: bool = False) -> None:
+    def __init__(self, cost_model, tier: str, overlap: bool = False, first_forward_tokens: int | None = None) -> None:
         transfers = getattr(cost_model, "transfers", None)
         if not isinstance(transfers, TransferCosts):
             raise ConfigError(f"planning loads from the {tier} tier needs a cost model with transfer costs; "
@@ -38,7 +39,7 @@ class ModelLoadCosts:
         self.cost_model = cost_model
         self.tier = tier
         self._estimates = LoadEstimates({tier: tier_read_cost(transfers, tier)}, int(transfers.block_bytes),
-                                        self.prefill_s, overlap)
+                                        self.prefill_s, overlap, first_forward_tokens)
 
     def prefill_s(self, cached_tokens: int, new_tokens: int) -> float:
         """One step computing `new_tokens` after `cached_tokens` (the model's prefill cost)."""

@@ -24,10 +24,15 @@ def linear_prefill(per_token: float, per_step: float = 0.0):
 
 
 def cost(tiers, est, start, prompt_len, k):
-    """Loading k blocks: the reads of tiers not overlapped first, then the forward, which takes
-    the longer of the recompute and the overlapped tiers' reads."""
+    """Loading k blocks: the reads of tiers not overlapped first, then the first forward, which
+    takes the longer of its share of the recompute and the overlapped tiers' reads, then the rest
+    of the recompute."""
     done = start + k * B
     compute = est.prefill_s(done, prompt_len - done)
+    if est.first_forward_tokens is not None and prompt_len - done > est.first_forward_tokens:
+        head = est.prefill_s(done, est.first_forward_tokens)
+    else:
+        head = compute
     first = under = 0.0
     for t in tiers[:k]:
         if t not in est.read:
@@ -37,21 +42,23 @@ def cost(tiers, est, start, prompt_len, k):
             under += est.read[t].seconds(est.block_bytes)
         else:
             first += est.read[t].seconds(est.block_bytes)
-    return first + max(under, compute)
+    return first + max(under, head) + compute - head
 
 
 hits = st.lists(st.sampled_from(TIERS), min_size=0, max_size=24)
 bandwidths = st.floats(1e4, 1e11)
 latencies = st.floats(0.0, 0.05)
 overlaps = st.one_of(st.booleans(), st.frozensets(st.sampled_from(TIERS)))
+first_forwards = st.one_of(st.none(), st.integers(1, 200))
 
 
 @settings(max_examples=200, deadline=None)
 @given(hits, st.integers(0, 8), st.integers(1, 40), st.dictionaries(st.sampled_from(TIERS),
-       st.tuples(latencies, bandwidths)), st.floats(1e-6, 1e-2), st.floats(0, 0.05), overlaps)
-def test_the_chosen_k_minimizes_the_models_cost(tiers, start_blocks, tail, read, per_token, per_step, overlap):
+       st.tuples(latencies, bandwidths)), st.floats(1e-6, 1e-2), st.floats(0, 0.05), overlaps, first_forwards)
+def test_the_chosen_k_minimizes_the_models_cost(tiers, start_blocks, tail, read, per_token, per_step, overlap,
+                                                first_forward):
     est = LoadEstimates({t: ReadCost(*lb) for t, lb in read.items()}, 2**18, linear_prefill(per_token, per_step),
-                        overlap)
+                        overlap, first_forward)
     start, prompt_len = start_blocks * B, (start_blocks + len(tiers)) * B + tail
     plan = plan_load(tiers, est, start, prompt_len, B)
     costs = [cost(tiers, est, start, prompt_len, k) for k in range(len(tiers) + 1)]
@@ -125,6 +132,21 @@ def test_a_tier_read_under_the_forward_loads_what_hides_and_one_read_first_does_
     # a hit that starts in the read-first tier pays that part before the forward, the rest under it
     mixed = plan_load(["remote"] * 2 + ["disk"] * 6, est, 0, 8 * B + 1, B)
     assert mixed.blocks == 5 and mixed.total_s == pytest.approx(0.040 + 0.060, rel=1e-3)
+
+
+def test_reads_under_the_forward_hide_under_its_first_chunk_only():
+    """A chunked prefill reads a layer-wise load under its first forward: a long recompute does
+    not hide reads beyond what that first chunk computes."""
+    prefill = linear_prefill(1e-3)  # 16 ms a block
+    read = {"disk": ReadCost(0.02, 1e12)}  # 20 ms a block
+    whole = LoadEstimates(read, 2**18, prefill, overlap=True)
+    chunked = LoadEstimates(read, 2**18, prefill, overlap=True, first_forward_tokens=2 * B)
+    # 16 blocks, the whole recompute as cover: max(20 k, 16 (16 - k) + 1) ms is least at k = 7 (145 ms)
+    assert plan_load(["disk"] * 16, whole, 0, 16 * B + 1, B).blocks == 7
+    # a first forward of 32 tokens (32 ms) covers the reads only that far: 40 ms of reads for two
+    # blocks, then the rest of the 225 ms recompute (193 ms) is 233 ms; three cost 60 + 177 = 237
+    plan = plan_load(["disk"] * 16, chunked, 0, 16 * B + 1, B)
+    assert plan.blocks == 2 and plan.total_s == pytest.approx(0.040 + 0.225 - 0.032, rel=1e-3)
 
 
 def test_a_hit_past_the_prompt_is_refused():
