@@ -3,12 +3,12 @@ whose first half comes from the disk tier (or a local redis-server), by three pa
 and written into the device cache whole between steps (`whole-block`, --no-kv-layerwise-load), read
 and checked whole before the step but written layer by layer under the forward (`layer-wise write`),
 and only their headers read before the step, each layer read, checked and written under the forward
-(`layer-wise read`, the default; the disk tier only: Redis values are read whole). The tier's codec
+(`layer-wise read`, the default; Redis reads them with GETRANGE). The tier's codec
 is the engine flag's (--kv-disk-codec / --kv-remote-codec).
 
 The lecture's §9.3 case (8.7K tokens, half in the pool) scaled to this machine: the first half is
 served once and saved to disk (write-through), the device cache is emptied, and the whole prompt
-is sent; the two paths alternate `repeats` times and the median TTFT of each is reported. The
+is sent; the paths alternate `repeats` times and the median TTFT of each is reported. The
 disk tier's files were just written, so reads come from the page cache, and Redis is on loopback:
 the figure is the engine's overhead and overlap, not an SSD's or a network's.
 """
@@ -85,8 +85,7 @@ def _run(base: EngineConfig, prompt_len: int, repeats: int, json_path: str | Non
     vocab = loaded.config.vocab_size
     half = rng.integers(0, vocab, size=prompt_len // 2).tolist()
     blocks = max(base.num_blocks or 0, prompt_len // base.block_size + 16)
-    paths = list(PATHS) if tier == "disk" else list(PATHS)[:2]
-    results = {path: LayerwiseResult(path, tier, prompt_len, 0, 0.0, [], [], []) for path in paths}
+    results = {path: LayerwiseResult(path, tier, prompt_len, 0, 0.0, [], [], []) for path in PATHS}
     cfg = replace(base, num_blocks=blocks, kv_host_memory="0", **where,
                   max_num_batched_tokens=max(base.max_num_batched_tokens, prompt_len))
     engine = Engine(cfg, loaded=loaded)  # one engine, one store: the paths differ in the connector's switches
@@ -94,7 +93,7 @@ def _run(base: EngineConfig, prompt_len: int, repeats: int, json_path: str | Non
         _ttft(engine, half)  # the first half's blocks are now in the tier
         engine.kv_store.store.flush()
         for _ in range(repeats):
-            for path in paths:
+            for path in PATHS:
                 engine.kv_store.layerwise, engine.kv_store.layerwise_reads = PATHS[path]
                 suffix = rng.integers(0, vocab, size=prompt_len - len(half)).tolist()  # never cached
                 ttft, hit, stall, read = _ttft(engine, half + suffix)

@@ -86,6 +86,10 @@ class KVStoreCollector:
         ("store_time_s", "store_seconds", "Time spent storing to the tier."),
         ("store_count", "stores", "Stores to the tier."),
         ("pinned_evictions", "pinned_evictions", "Retained blocks the tier evicted because nothing else could go."),
+        ("retention_applied", "retention_applied", "Retentions a remote pool was told of (begun or lapsed: Redis "
+         "PERSIST / expiry back, a Mooncake soft pin set or dropped)."),
+        ("retention_unhonoured", "retention_unhonoured", "Retained blocks met in a remote pool whose eviction ignores "
+         "retention (Redis allkeys-*, a soft pin the Mooncake master refused)."),
     )
 
     def __init__(self, engine, model_name: str, prefix: str = "kvpool") -> None:

@@ -35,6 +35,8 @@ class TierStats:
     failed_puts: int = 0
     evictions: int = 0
     pinned_evictions: int = 0  # of those, blocks holding a live retention (nothing else could go)
+    retention_applied: int = 0  # a remote pool told a block's retention began or lapsed
+    retention_unhonoured: int = 0  # retained blocks met in a remote pool whose eviction ignores retention
     errors: int = 0
     lossy_loads: int = 0  # blocks served quantized (a lossy codec's), counted by the store
     load_time_s: float = 0.0
