@@ -124,7 +124,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     eviction_policy: str = "lru"
     preemption_mode: str = "recompute"
-    scheduling_policy: str = "fcfs"  # fcfs | cache-aware (kvpool/sched/waiting_order.py)
+    scheduling_policy: str = "fcfs"  # fcfs | cache-aware | shortest-prefill (kvpool/sched/waiting_order.py)
     watermark: float = 0.01
     threads: int | None = None
     max_logprobs: int = 20
@@ -225,7 +225,8 @@ _HELP = {
     "swap_space": "host KV pool for swap preemption (bytes)",
     "preemption_mode": "recompute | swap",
     "scheduling_policy": "order of waiting requests: fcfs | cache-aware (most device-cached prompt tokens "
-    "first; a request passed over 8 times goes next)",
+    "first) | shortest-prefill (fewest prompt tokens left to compute first); a request passed over 8 times "
+    "goes next",
     "eviction_policy": "prefix-cache eviction: lru | lfu | fifo",
     "max_model_len": "context length (default: the model's)",
     "threads": "torch CPU threads (default: all cores)",

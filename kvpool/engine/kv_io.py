@@ -12,8 +12,8 @@ Write-through saves every block once its KV is computed; write-back saves a bloc
 when the device evicts it.
 
 Layer-wise (`layerwise`): a landed load has only each block's header and per-layer table read
-and checked (`layerwise_reads`, tiers that read ranges: host, disk; other tiers' blocks are read and
-checked whole), and is reported as above; during the next forward pass a loader thread reads,
+and checked (`layerwise_reads`, tiers that read ranges: host, disk, Redis, Mooncake; a tier
+without range reads has its blocks read and checked whole), and is reported as above; during the next forward pass a loader thread reads,
 checks, decodes and writes its blocks one layer at a time (kvpool/engine/layerwise.py,
 layer_reads.py), the model waiting for layer l before computing it; the plan is
 kvpool/sched/layerwise.py's. A layer that fails there has already been attended to: the sequence

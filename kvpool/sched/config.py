@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvpool.errors import ConfigError
 
 PREEMPTION_MODES = ("recompute", "swap")
-SCHEDULING_POLICIES = ("fcfs", "cache-aware")
+SCHEDULING_POLICIES = ("fcfs", "cache-aware", "shortest-prefill")
 
 
 @dataclass(slots=True)
@@ -26,7 +26,7 @@ class SchedulerConfig:
     namespace: str = ""
     record_kv_events: bool = False
     kv_group_windows: tuple[int | None, ...] = (None,)  # per layer group (kvpool/core/layer_groups.py)
-    scheduling_policy: str = "fcfs"  # fcfs | cache-aware (kvpool/sched/waiting_order.py)
+    scheduling_policy: str = "fcfs"  # fcfs | cache-aware | shortest-prefill (kvpool/sched/waiting_order.py)
     max_bypass: int = 8  # cache-aware: admissions a waiting request may be passed over by
 
     def __post_init__(self) -> None:

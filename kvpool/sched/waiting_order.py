@@ -1,11 +1,17 @@
-"""Which waiting group is admitted next: first come first served, or cache-aware.
+"""Which waiting group is admitted next: first come first served, cache-aware, or shortest
+prefill.
 
 Cache-aware ordering (SGLang's longest-prefix-match idea, with a fairness bound): among the
 first `window` (16) waiting groups, the one with the most prompt tokens already in the device
 prefix cache goes first (ties: the earliest), so a request whose KV is resident starts before
 its hit is evicted by the requests ahead of it, and a short remaining prefill reaches its first
-token sooner. A group passed over `max_bypass` times is admitted next whatever its hit, so no
-request waits without bound. Pure and clock-free: the bound counts admissions, not seconds.
+token sooner. Shortest-prefill ordering counts the hit where it matters for a first token: the
+group with the fewest prompt tokens left to compute (its prompt less its cached prefix) goes
+first, shortest-job-first on the prefill work, so under a queue of mixed lengths a short or
+mostly cached prompt does not wait out a long one's prefill (mean TTFT falls; a long prompt
+waits longer, up to the bound). Either way a group passed over `max_bypass` times is admitted
+next whatever its hit, so no request waits without bound. Pure and clock-free: the bound counts
+admissions, not seconds.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ class WaitingOrder:
                  policy: str = "fcfs", max_bypass: int = 8, window: int = 16) -> None:
         self.kv = kv
         self.hashes = hashes  # a group's prompt hashes, as admission computes them
-        self.cache_aware = policy == "cache-aware"
+        self.policy = policy  # fcfs | cache-aware | shortest-prefill (sched/config.py)
         self.max_bypass = max_bypass
         self.window = window
         self.num_reordered = 0  # admissions that went ahead of an earlier arrival
@@ -33,16 +39,17 @@ class WaitingOrder:
     def pick(self, waiting: deque[SequenceGroup]) -> SequenceGroup:
         """The group to try next (the queue is not empty)."""
         head = waiting[0]
-        if not self.cache_aware or len(waiting) == 1 or head.num_bypassed >= self.max_bypass:
+        if self.policy == "fcfs" or len(waiting) == 1 or head.num_bypassed >= self.max_bypass:
             return head
-        best, best_hit = head, self._cached_tokens(head)
+        score = self._cached_tokens if self.policy == "cache-aware" else self._negated_prefill
+        best, best_score = head, score(head)
         for i in range(1, min(len(waiting), self.window)):
             group = waiting[i]
             if group.num_bypassed >= self.max_bypass:
                 break  # an earlier arrival at its bound: it, not a later hit, is owed the turn
-            hit = self._cached_tokens(group)
-            if hit > best_hit:
-                best, best_hit = group, hit
+            s = score(group)
+            if s > best_score:
+                best, best_score = group, s
         return best
 
     def admitted(self, waiting: deque[SequenceGroup], group: SequenceGroup) -> None:
@@ -56,6 +63,12 @@ class WaitingOrder:
                 break
             earlier.num_bypassed += 1
         waiting.remove(group)
+
+    def _negated_prefill(self, group: SequenceGroup) -> int:
+        """Minus the tokens `group`'s admission would compute (its prompt less the device hit,
+        or the whole sequence of one recomputed after preemption): the fewest goes first."""
+        seq = group.seqs[0]
+        return self._cached_tokens(group) - len(seq.token_ids)
 
     def _cached_tokens(self, group: SequenceGroup) -> int:
         """Prompt tokens of `group` the device prefix cache holds now (0 where hits are off)."""

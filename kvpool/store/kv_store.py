@@ -19,8 +19,10 @@ Every read that returns bytes updates that tier's online read estimate (seconds 
 the read and its checks, what a load costs the engine; `read_costs`), which the load-or-recompute
 planner prices a hit with (kvpool/core/load_plan.py).
 
-`follow_retention` points the host and disk tiers at the device pool's retention table, so their
-eviction keeps pinned / TTL'd / high-priority blocks longest, as the device's does (retained.py).
+`follow_retention` points every tier at the device pool's retention table: the host and disk
+tiers evict pinned / TTL'd / high-priority blocks last, as the device does (retained.py); Redis
+and Mooncake, which evict by their own policy in another process, are told through it (key
+expiries, soft pins: remote_redis.py, remote_mooncake.py).
 """
 
 from __future__ import annotations
@@ -135,9 +137,10 @@ class TieredKVStore:
         return self._prefix + ("" if quant == "exact" else quant + ":") + block_hash.hex()
 
     def follow_retention(self, source: Callable[[], RetentionTable | None]) -> None:
-        """Evict in the tiers that evict for themselves (host, disk) by the retentions of the
-        table `source()` returns (the device pool's; None while nothing was retained). The table
-        is read, never written, from the store's workers."""
+        """Give every tier that keeps retention (host and disk evict by it, Redis and Mooncake
+        pass it to their pool) the retentions of the table `source()` returns (the device pool's;
+        None while nothing was retained). The table is read, never written, from the store's
+        workers."""
         for tier in self.tiers:
             if hasattr(tier, "retention"):
                 tier.retention = TierRetention(source, self._prefix)

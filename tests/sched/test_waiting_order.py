@@ -1,4 +1,5 @@
-"""The order waiting requests are admitted in: FCFS, or cache hits first within a bypass bound."""
+"""The order waiting requests are admitted in: FCFS, cache hits first, or the least prefill work left
+first, the last two within a bypass bound."""
 
 from __future__ import annotations
 
@@ -53,6 +54,36 @@ def test_cache_aware_admits_the_longest_cached_prefix_first() -> None:
     add(s, "hot", SHARED + [9, 9, 9], 3.0)
     assert admission_order(s) == ["hot", "half", "cold"]
     assert s.waiting_order.num_reordered == 2
+
+
+def test_shortest_prefill_admits_the_least_work_left_first() -> None:
+    """Work left is the prompt less its cached prefix: a long prompt that is mostly cached goes
+    before a shorter cold one, and a short cold one before a long cold one."""
+    s = scheduler("shortest-prefill")
+    add(s, "long", list(range(500, 700)), 1.0)  # 200 tokens to compute
+    add(s, "short", list(range(800, 840)), 2.0)  # 40
+    add(s, "hot", SHARED + list(range(900, 920)), 3.0)  # 84 long, 64 cached: 20
+    assert admission_order(s) == ["hot", "short", "long"]
+    assert s.waiting_order.num_reordered == 2
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "shortest-prefill"])
+def test_equal_candidates_keep_their_arrival_order(policy: str) -> None:
+    s = scheduler(policy)
+    for i in range(4):
+        add(s, f"r{i}", list(range(1000 + 100 * i, 1040 + 100 * i)), float(i))
+    assert admission_order(s) == ["r0", "r1", "r2", "r3"]
+    assert s.waiting_order.num_reordered == 0
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "shortest-prefill"])
+def test_a_long_cold_prompt_is_passed_over_at_most_max_bypass_times(policy: str) -> None:
+    s = scheduler(policy, max_bypass=3)
+    add(s, "long", list(range(500, 700)), 1.0)
+    for i in range(6):
+        add(s, f"hot{i}", SHARED + [i, i, i], 2.0 + i)
+    order = admission_order(s)
+    assert order == ["hot0", "hot1", "hot2", "long", "hot3", "hot4", "hot5"], order
 
 
 def test_a_request_is_passed_over_at_most_max_bypass_times() -> None:
