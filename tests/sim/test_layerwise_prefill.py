@@ -33,4 +33,7 @@ def test_the_headline_row_reproduces_the_lectures_direction_and_magnitude():
     assert 1.5 < head["speedup"] < 2.3  # lecture: 870 -> 454 ms, 1.92x
     for r in res.rows:  # never loses; the engine's layer-wise path never loses to its whole-block path
         assert r["layerwise_ms"] <= r["whole_block_ms"] and r["engine_layerwise_ms"] <= r["engine_whole_ms"]
+    # the engine reads the tier under the forward too: on the SSD it hides the read, not only the
+    # PCIe write, so it gains about what the ideal overlap gains
+    assert head["engine_whole_ms"] / head["engine_layerwise_ms"] > 1.5
     assert res.published and "§9.3" in res.published

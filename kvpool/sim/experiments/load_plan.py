@@ -19,6 +19,7 @@ from kvpool.costs.cost_model import RooflineCostModel
 from kvpool.sched.scheduler import SchedulerConfig
 from kvpool.sim.experiments.base import ExperimentResult, check_size, roofline
 from kvpool.sim.instance import run_instance
+from kvpool.sim.plots import plot_grouped_bars
 from kvpool.sim.sim_store import SimStore
 from kvpool.sim.tokens import BlockHasher, TokenSynth
 from kvpool.sim.workloads import OUTPUT_CHUNK_BASE, SYNTHETIC_CHUNK_BASE, SimRequest
@@ -80,9 +81,18 @@ def run(size: str = "small", seed: int = 0, out: Path | None = None) -> Experime
                 rows.append({"tier": label, "read_gb_s": gb_s, "layerwise": layerwise, "planner": plan, **r,
                              "vs_recompute": r["ttft_ms"] / recompute})
     slow = {(r["layerwise"], r["planner"]): r["ttft_ms"] for r in rows if r["tier"] == "slow disk"}
+    plots = []
+    if out is not None:
+        labels = [label for label, _, _ in TIERS]
+        series = {f"{'layer-wise' if lw else 'whole-block'}{', planner' if plan else ''}":
+                  [next(r["ttft_ms"] for r in rows if (r["tier"], r["layerwise"], r["planner"]) == (t, lw, plan))
+                   for t in labels] for lw in (False, True) for plan in (False, True)}
+        series["recompute (no store)"] = [recompute] * len(labels)
+        plots.append(plot_grouped_bars(labels, series, out / "load_plan.png", "mean TTFT (ms)",
+                                       f"A {DOC}-token stored document: load or recompute", logy=True))
     return ExperimentResult(
         "load_plan", "Load or recompute: TTFT of a store hit with and without the planner", rows,
-        {"requests": n, "recompute_ttft_ms": recompute, "seed_unused": seed}, [],
+        {"requests": n, "recompute_ttft_ms": recompute, "seed_unused": seed}, plots,
         setup=(f"{MODEL} on one {HARDWARE}; {n} requests one at a time, each a {DOC}-token document held by a "
                f"store tier below the device cache (not on the device) plus {QUESTION} new tokens, {OUTPUT} out. "
                "The tier is host DRAM over PCIe, one NVMe SSD, or a disk read at 0.1 GB/s; the hit is read "
