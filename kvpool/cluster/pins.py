@@ -22,24 +22,39 @@ import asyncio
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Executor
+from typing import Any, Protocol
 
 import httpx
 from fastapi import Depends, FastAPI
 
-from kvpool.cluster.members import Member
+from kvpool.cluster.members import Member, MemberPoller
 from kvpool.cluster.relay import InstanceFailed, NoInstance
 from kvpool.conductor.pins import ClusterUnpin, PinBook
 from kvpool.core.retention import MAX_TTL_S
 from kvpool.engine.input_processor import check_token_ids
 from kvpool.errors import InvalidRequest
-from kvpool.serve.auth import Tenant, effective_salt
+from kvpool.serve.auth import KeyRing, Tenant, effective_salt
 from kvpool.serve.retention_fields import parse_priority, parse_ttl
 from kvpool.serve.retention_routes import PinRequest
 from kvpool.serve.state import off_loop
 
-if TYPE_CHECKING:
-    from kvpool.cluster.gateway import Gateway
+
+class Gateway(Protocol):
+    """What the pin routes use of `kvpool.cluster.gateway.Gateway`, which installs them (a
+    protocol, so this module does not import the gateway back)."""
+
+    members: dict[str, Member]
+    poller: MemberPoller
+    pool: Executor
+    tokenizer: Any
+    config: Any  # GatewayConfig: conductor.block_size, poll_interval_s
+    client: httpx.AsyncClient
+    keys: KeyRing
+
+    def check_model(self, model: str | None) -> None: ...
+
+    def hashes(self, ids: list[int], salt: str | None) -> list[bytes]: ...
 
 RETRY_S = 2.0  # after a failed replay, the next try on that instance
 

@@ -106,6 +106,7 @@ def test_a_cluster_pin_holds_on_every_instance_through_cache_pressure_until_unpi
     assert _cached(i1, PROMPT) == 0
 
 
+@pytest.mark.slow
 def test_a_tenant_pins_in_its_own_namespace_only(cluster):
     text = "Tenant one's standing instructions for the quay, pinned by its operator. " * 3
     r = _pin(cluster, "pin", key=K1, prompt=text, cache_salt="quay")
@@ -143,6 +144,7 @@ def test_a_bad_body_is_a_400_naming_the_field(cluster, route, body, param):
     assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.slow
 def test_a_hung_instance_gives_a_partial_answer_then_gets_the_pin(cluster):
     text = "A notice for every berth, pinned while one instance does not answer at all. " * 3
     hung = cluster.procs["both1"]

@@ -78,6 +78,7 @@ def test_soft_pinned_blocks_survive_a_pool_filled_past_its_segment(master):
     tier.close()
 
 
+@pytest.mark.slow
 def test_a_block_pinned_after_it_was_written_is_pinned_when_read(master):
     tier, table = following(master)
     assert tier.put(key(0), b"a" * MIB) and tier.put(key(1), b"b" * MIB)
@@ -89,6 +90,7 @@ def test_a_block_pinned_after_it_was_written_is_pinned_when_read(master):
     tier.close()
 
 
+@pytest.mark.slow
 def test_an_unpin_drops_the_soft_pin(tmp_path):
     """(The unpin reads the object to rewrite it; that read's lease is kept short here.)"""
     for master in serve(mooncake_master_service(lease_ttl_ms=100, log_path=Path(tmp_path) / "master.log")):
@@ -108,6 +110,7 @@ def _unpin_drops_the_pin(master) -> None:
     tier.close()
 
 
+@pytest.mark.slow
 def test_a_pin_the_master_refuses_is_reported_and_the_block_still_written(master, caplog):
     tier, table = following(master, "&soft_pin_max_s=1000000")  # the master allows a day
     table.retain([bytes.fromhex(key(0)[2:])], PINNED)
