@@ -74,7 +74,8 @@ def run_layerwise_bench(base: EngineConfig, prompt_len: int, repeats: int, json_
     service.start()
     try:
         return _run(base, prompt_len, repeats, json_path, tier,
-                    {"kv_disk_path": None, "kv_remote": f"redis://127.0.0.1:{service.port}/0"})
+                    {"kv_disk_path": None, "kv_remote": f"redis://127.0.0.1:{service.port}/0",
+                     "kv_layerwise_remote_reads": True})  # its layer-wise read path (off by default)
     finally:
         service.stop()
 

@@ -140,6 +140,7 @@ class EngineConfig:
     kv_remote_codec: str = "none"
     kv_layerwise_load: bool = True  # store hits land layer by layer during the forward (kvpool/engine/layerwise.py)
     kv_load_plan: bool = True  # load a store hit only as far as that beats recomputing it (core/load_plan.py)
+    kv_layerwise_remote_reads: bool = False  # Redis / Mooncake hits read layer by layer too (docs/store.md)
     publish_kv_events: bool = False  # keep stored/evicted hashes for drain_kv_events()
     swa_freeing: bool = True  # windowed layers free KV blocks behind the window (kvpool/core/layer_groups.py)
 
@@ -245,6 +246,9 @@ _HELP = {
     "the forward computes (the forward waits for layer l before computing it); off: whole blocks between steps",
     "kv_load_plan": "tiered KV store: load a store hit only as far as loading beats recomputing it, from each "
     "tier's measured read cost and the measured prefill cost (docs/store.md); off: always load the whole hit",
+    "kv_layerwise_remote_reads": "tiered KV store: read Redis and Mooncake hits layer by layer under the forward "
+    "too, as host and disk hits are (a round trip per block and layer: worth it where the forward is long next "
+    "to them; off: read whole before the step, then written layer by layer)",
 }
 
 

@@ -101,7 +101,8 @@ class Engine:
         self.kv_store: KVStoreConnector | None = None
         if store is not None:
             self.kv_store = KVStoreConnector(store, self.runner, self.scheduler, config.kv_write_policy,
-                                             layerwise=config.kv_layerwise_load, plan_loads=config.kv_load_plan)
+                                             layerwise=config.kv_layerwise_load, plan_loads=config.kv_load_plan,
+                                             remote_layer_reads=config.kv_layerwise_remote_reads)
             self.scheduler.external_kv = self.kv_store.lookup
         self.scheduler.kv.ledger = self.kv_store.miss_ledger() if self.kv_store else MissLedger.of(self.scheduler.kv)
         self._published = KVEvents()

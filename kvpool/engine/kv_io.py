@@ -12,8 +12,8 @@ Write-through saves every block once its KV is computed; write-back saves a bloc
 when the device evicts it.
 
 Layer-wise (`layerwise`): a landed load has only each block's header and per-layer table read
-and checked (`layerwise_reads`, tiers that read ranges: host, disk, Redis, Mooncake; a tier
-without range reads has its blocks read and checked whole), and is reported as above; during the next forward pass a loader thread reads,
+and checked (`overlapped_tiers`: host and disk, and Redis and Mooncake with `remote_layer_reads`;
+a block in another tier is read and checked whole), and is reported as above; during the next forward pass a loader thread reads,
 checks, decodes and writes its blocks one layer at a time (kvpool/engine/layerwise.py,
 layer_reads.py), the model waiting for layer l before computing it; the plan is
 kvpool/sched/layerwise.py's. A layer that fails there has already been attended to: the sequence
@@ -54,6 +54,8 @@ from kvpool.engine.layerwise import LayerwiseWriter
 from kvpool.engine.runner import ModelRunner
 from kvpool.sched.layerwise import LayerwisePlan, plan_layerwise
 from kvpool.sched.scheduler import KVLoad, Scheduler, SchedulerOutput
+from kvpool.store.disk import DiskTier
+from kvpool.store.host import HostTier
 from kvpool.store.kv_store import TieredKVStore
 from kvpool.store.tier import RangeReads
 
@@ -62,7 +64,8 @@ logger = logging.getLogger(__name__)
 
 class KVStoreConnector:
     def __init__(self, store: TieredKVStore, runner: ModelRunner, scheduler: Scheduler, write_policy: str,
-                 load_timeout_s: float = 10.0, layerwise: bool = False, plan_loads: bool = True) -> None:
+                 load_timeout_s: float = 10.0, layerwise: bool = False, plan_loads: bool = True,
+                 remote_layer_reads: bool = False) -> None:
         self.store = store
         self.layerwise = layerwise
         self.layerwise_reads = layerwise and runner.groups.num_groups == 1  # rewinds need one layer group
@@ -89,12 +92,20 @@ class KVStoreConnector:
         self.prefill = LinearEstimate()  # seconds of a forward pass against its tokens
         self._forward: tuple[float, int] | None = None  # (start, tokens) of the forward under way
         self.block_bytes = math.prod(store.block_shape) * store.dtype.itemsize * runner.groups.num_groups
-        # the tiers whose reads run under the forward (layer by layer): the planner prices them overlapped
-        self.overlapped_tiers = frozenset(t.name for t in store.tiers if isinstance(t, RangeReads)
-                                          ) if self.layerwise_reads else frozenset()
+        # the tiers read layer by layer under the forward, which the planner prices overlapped: the
+        # local ones; Redis and Mooncake only when asked (a round trip per block and layer: on
+        # loopback here it cost more than it hid, docs/store.md)
+        self.layer_read_tiers = frozenset(
+            t.name for t in store.tiers
+            if isinstance(t, RangeReads) and (remote_layer_reads or isinstance(t, HostTier | DiskTier)))
         if plan_loads:
             scheduler.admission.load_costs = self
         store.follow_retention(lambda: scheduler.kv.pool.retention)  # tiers honour the device's pins
+
+    @property
+    def overlapped_tiers(self) -> frozenset[str]:
+        """The tiers whose hits are read layer by layer under the forward (none unless layer-wise)."""
+        return self.layer_read_tiers if self.layerwise_reads else frozenset()
 
     def estimates(self) -> LoadEstimates | None:
         """The planner's inputs now (kvpool/core/load_plan.py); None until a forward pass was timed
@@ -140,7 +151,7 @@ class KVStoreConnector:
         if self.write_back and events.evicted:
             self._save(list(zip(events.evicted, events.evicted_block_ids, strict=True)))
         self._start_layerwise(out)
-        layered = self.layerwise and self.layerwise_reads
+        layered = self.overlapped_tiers  # empty unless layer-wise
         for load in out.kv_loads:
             self._inflight.append((load, self.store.load_async(load.hashes, self.layerwise, layered)))
         tokens = sum(s.num_new_tokens for s in out.scheduled)

@@ -31,7 +31,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -162,30 +162,30 @@ class TieredKVStore:
         return pos, where
 
     def load(self, hashes: Sequence[BlockHash], deferred: bool = False,
-             layered: bool = False) -> list[np.ndarray | CheckedBlock | LayeredBlock]:
+             layered: Collection[str] = ()) -> list[np.ndarray | CheckedBlock | LayeredBlock]:
         """Blocks of the longest loadable prefix of `hashes` (stops at the first miss).
 
         Each array has `block_shape` and `dtype` and is read-only; copy it into the KV cache.
         `deferred`: a block whose decoding cannot fail once checked comes back checked but not
         decoded (`CheckedBlock`: `block[l]` decodes layer l), for a reader that decodes layer by
-        layer later (the layer-wise load, under the forward). `layered`: a block in a tier that
-        reads ranges comes back with only its header read and checked (`LayeredBlock`: `block[l]`
+        layer later (the layer-wise load, under the forward). `layered`: the tiers (names) whose
+        blocks come back with only their header read and checked (`LayeredBlock`: `block[l]`
         reads and checks layer l; tell the store how it went with `finish_layered` or
-        `reject_layered`); one in another tier as with `deferred`.
+        `reject_layered`), tiers that read ranges; a block in another tier as with `deferred`.
         """
         out: list[np.ndarray | CheckedBlock | LayeredBlock] = []
         for h in hashes:
-            block = self._load_one(h, deferred or layered, layered)
+            block = self._load_one(h, deferred or bool(layered), layered)
             if block is None:
                 break
             out.append(block)
         return out
 
     def _load_one(self, block_hash: BlockHash, deferred: bool = False,
-                  layered: bool = False) -> np.ndarray | CheckedBlock | LayeredBlock | None:
+                  layered: Collection[str] = ()) -> np.ndarray | CheckedBlock | LayeredBlock | None:
         for i, tier in enumerate(self.tiers):
             key = self.key(block_hash, tier.name)
-            if layered and isinstance(tier, RangeReads):
+            if tier.name in layered and isinstance(tier, RangeReads):
                 opened = self._open_layered(i, block_hash)
                 if opened is not None:
                     return opened
@@ -307,7 +307,8 @@ class TieredKVStore:
         future.add_done_callback(self._pending.discard)
         return future
 
-    def load_async(self, hashes: Sequence[BlockHash], deferred: bool = False, layered: bool = False) -> Future[list]:
+    def load_async(self, hashes: Sequence[BlockHash], deferred: bool = False,
+                   layered: Collection[str] = ()) -> Future[list]:
         """`load` on a worker thread, to overlap the read with compute."""
         return self._pool.submit(self.load, list(hashes), deferred, layered)
 

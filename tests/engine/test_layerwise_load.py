@@ -111,8 +111,9 @@ def test_layerwise_output_equals_whole_block_output(loaded, reference, tmp_path,
     pool.remember(keys)
     whole = (len(writer.tokenizer.encode(PROMPT)) - 1) // 16
     expected = DAMAGED if damage != "intact" else whole
-    # both tiers read layer by layer: a flipped payload byte passes the header, fails under the forward
-    rewound = damage == "corrupted"
+    # disk reads layer by layer (Redis only with --kv-layerwise-remote-reads): a flipped payload byte
+    # passes the header and fails under the forward
+    rewound = tier == "disk" and damage == "corrupted"
     results = {}
     for layerwise in (False, True):
         if damage != "intact":  # again: the first run recomputed the block and saved it back
@@ -191,6 +192,9 @@ def test_the_flag_turns_layerwise_loading_off():
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args([])).kv_layerwise_load is True
     assert engine_config_from_args(parser.parse_args(["--no-kv-layerwise-load"])).kv_layerwise_load is False
+    # remote pools are read whole before the step unless asked (a round trip per block and layer)
+    assert engine_config_from_args(parser.parse_args([])).kv_layerwise_remote_reads is False
+    assert engine_config_from_args(parser.parse_args(["--kv-layerwise-remote-reads"])).kv_layerwise_remote_reads
 
 
 def test_a_group_swapped_out_before_its_first_step_takes_its_store_kv_along(loaded, reference):

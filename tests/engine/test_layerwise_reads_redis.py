@@ -35,7 +35,8 @@ def pool(redis_server):
 
 def _engine(loaded: LoadedModel, dtype: str, port: int) -> Engine:
     return Engine(EngineConfig(dtype=dtype, num_blocks=128, block_size=4, threads=1,
-                               kv_remote=f"redis://127.0.0.1:{port}/{DB}"), loaded=loaded)
+                               kv_remote=f"redis://127.0.0.1:{port}/{DB}", kv_layerwise_remote_reads=True),
+                  loaded=loaded)
 
 
 def _write(loaded, dtype, port, prompts) -> list:
