@@ -12,7 +12,10 @@ Retention (issue 32, item 1) with Redis's own eviction, its `maxmemory-policy`, 
 a `volatile-*` policy evicts only keys that carry an expiry, so under one every unretained block
 gets an expiry (`idle_expire_s`, default a day, pushed back by each read) and a retained one none
 (PERSIST): Redis evicts every unretained block first and never a retained one (a pool full of
-retained blocks refuses writes: `failed_puts`). Retention is stated when this instance writes,
+retained blocks refuses writes: `failed_puts`). Under `volatile-ttl`, which evicts the nearest
+expiry first, a retained block gets a far expiry ranked by its priority instead: retained blocks
+are evicted only when no unretained one is left, lower priority first, and counted
+(`pinned_evictions`), as the device pool does. Retention is stated when this instance writes,
 reads or looks a block up, and a retention that lapses (expiry, unpin) gives the key its expiry
 back on the tier's next write, read or stats call, at most once a second (retained.RemoteRetentions);
 close does so for every key it persisted.
@@ -34,6 +37,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvpool.core.retention import Retention
 from kvpool.errors import ConfigError
 from kvpool.store.health import PoolHealth
 from kvpool.store.retained import RemoteRetentions, RetainedOf, TierRetention
@@ -43,6 +47,11 @@ log = logging.getLogger(__name__)
 
 _DOWN = (redis.ConnectionError, redis.TimeoutError)
 IDLE_EXPIRE_S = 24 * 3600  # an unretained block's expiry under a volatile-* policy
+# volatile-ttl evicts the nearest expiry first: a retained key's expiry there, far past any
+# unretained one's and a month later per priority point, so retained blocks go only after every
+# unretained one, lower priority first (other volatile-* policies: no expiry, never evicted)
+RETAINED_EXPIRE_S = 10 * 365 * 24 * 3600
+PRIORITY_EXPIRE_S = 30 * 24 * 3600
 UNKNOWN_POLICY = "unknown"  # the server would not say (CONFIG refused)
 _RESTATE_S = 1.0
 _HEADS = 4096  # headers remembered for layer reads (blocks being read layer by layer)
@@ -114,7 +123,9 @@ class RedisTier:
         self.policy = policy or UNKNOWN_POLICY
         log.info("redis tier %s: maxmemory-policy %s; retained blocks are %s", self.name, self.policy,
                  "evicted like any other (retention NOT honoured)" if self.policy.startswith("allkeys-")
-                 else "never evicted (nothing is)" if self.policy == "noeviction" else "never evicted by Redis")
+                 else "never evicted (nothing is)" if self.policy == "noeviction"
+                 else "evicted after every unretained block, lower priority first" if self.policy == "volatile-ttl"
+                 else "never evicted by Redis")
 
     def _retained(self) -> RetainedOf | None:
         return None if self.retention is None else self.retention.lookup()
@@ -122,13 +133,21 @@ class RedisTier:
     def _state(self, pipe, key: StoreKey, retained: RetainedOf | None, expiring: bool) -> bool:
         """Queue what Redis must hold of `key`'s retention (an accessed unretained block's expiry
         pushed back: GT never shortens one, nor touches a persisted key); whether it is retained."""
-        kept = retained is not None and retained(key) is not None
+        r = retained(key) if retained is not None else None
         if expiring:
-            if kept:
-                pipe.persist(key)
+            if r is not None:
+                self._keep(pipe, key, r)
             else:
                 pipe.expire(key, self.idle_expire_s, gt=True)
-        return kept
+        return r is not None
+
+    def _keep(self, pipe, key: StoreKey, retention: Retention) -> None:
+        """Queue how Redis keeps retained `key`: no expiry (no volatile-* policy evicts it), or under
+        volatile-ttl a far one ranked by priority (evicted only when no unretained key is left)."""
+        if self.policy == "volatile-ttl":
+            pipe.expire(key, RETAINED_EXPIRE_S + max(retention.priority, 0) * PRIORITY_EXPIRE_S)
+        else:
+            pipe.persist(key)
 
     def _stated_now(self, key: StoreKey, kept: bool, expiring: bool) -> None:
         """`key` is in the pool and was stated retained (`kept`: PERSIST holds until told otherwise)."""
@@ -192,10 +211,11 @@ class RedisTier:
             for key in keys:
                 pipe.exists(key)
             for key in keys:
-                if retained is not None and retained(key) is not None:
+                r = retained(key) if retained is not None else None
+                if r is not None:
                     kept.append(key)
                     if expiring:
-                        pipe.persist(key)
+                        self._keep(pipe, key, r)
             present = pipe.execute()[: len(keys)]
         except _DOWN as exc:
             self._down("lookup", exc)
@@ -313,7 +333,7 @@ class RedisTier:
                 pipe = self._client.pipeline(transaction=False)
                 pipe.set(key, data, nx=True, ex=self.idle_expire_s if expiring and r is None else None)
                 if expiring and r is not None:  # also a block another instance wrote unretained
-                    pipe.persist(key)
+                    self._keep(pipe, key, r)
                 written = pipe.execute()[0]
             except _DOWN as exc:
                 self._down("put", exc)
