@@ -36,7 +36,7 @@ def test_a_layered_read_gives_each_layer_as_the_whole_read_does(tmp_path, codec)
     for h, b in zip(H, blocks, strict=True):
         store.save(h, b)
     whole = store.load(H)
-    layered = store.load(H, layered=True)
+    layered = store.load(H, layered=[t.name for t in store.tiers])
     assert all(isinstance(b, LayeredBlock) for b in layered)
     for got, want in zip(layered, whole, strict=True):
         for layer in range(SHAPE[0]):
@@ -49,7 +49,7 @@ def test_a_flipped_layer_passes_the_header_and_fails_when_read(tmp_path):
     store = disk_store(tmp_path)
     store.save(H[0], make_block(0))
     flip_layer(tmp_path, store, H[0], 1)
-    (block,) = store.load(H[:1], layered=True)  # the header and table are intact
+    (block,) = store.load(H[:1], layered=[t.name for t in store.tiers])  # the header and table are intact
     np.testing.assert_array_equal(block[0], make_block(0)[0])
     with pytest.raises(CorruptBlock) as err:
         block[1]
@@ -63,7 +63,7 @@ def test_a_flipped_layer_passes_the_header_and_fails_when_read(tmp_path):
 def test_a_value_gone_since_its_header_is_a_miss_not_a_bad_entry(tmp_path):
     store = disk_store(tmp_path)
     store.save(H[0], make_block(0))
-    (block,) = store.load(H[:1], layered=True)
+    (block,) = store.load(H[:1], layered=[t.name for t in store.tiers])
     store.tiers[0].delete(store.key(H[0]))
     with pytest.raises(LayerUnavailable):
         block[0]
@@ -80,7 +80,7 @@ def test_a_bad_header_is_a_miss_read_no_further(tmp_path):
     data_a, data_b = a.read_bytes(), b.read_bytes()
     a.write_bytes(data_b)  # files swapped: each holds the other's block
     b.write_bytes(data_a)
-    assert store.load(H[:2], layered=True) == []
+    assert store.load(H[:2], layered=[t.name for t in store.tiers]) == []
     assert store.stats()["disk"].bad_entries == {"identity": 1}
     store.close()
 
@@ -90,7 +90,7 @@ def test_a_block_read_whole_layer_by_layer_is_measured_and_promoted(tmp_path):
     store.tiers[0].delete(store.key(H[0]))
     store.save(H[0], make_block(0))
     store.tiers[0].delete(store.key(H[0]))  # only the disk holds it
-    (block,) = store.load(H[:1], layered=True)
+    (block,) = store.load(H[:1], layered=[t.name for t in store.tiers])
     assert block.tier == "disk"
     for layer in range(SHAPE[0]):
         block[layer]

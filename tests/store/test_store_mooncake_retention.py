@@ -135,7 +135,7 @@ def test_a_mooncake_block_read_layer_by_layer_equals_the_whole_read(master):
     store, tier = _store(master)
     for i, h in enumerate(H):
         store.save(h, make_block(i))
-    layered = store.load(H, layered=True)
+    layered = store.load(H, layered=[t.name for t in store.tiers])
     assert len(layered) == 3 and all(isinstance(b, LayeredBlock) and b.tier == "mooncake" for b in layered)
     for i, got in enumerate(layered):
         for layer in range(SHAPE[0]):
@@ -153,12 +153,12 @@ def test_a_flipped_layer_in_mooncake_fails_its_check_and_a_replaced_object_is_re
     value[offset + length // 2] ^= 0x20
     with tier._lock:
         assert tier._client.upsert(store.key(H[0]), bytes(value)) == 0
-    (block,) = store.load(H[:1], layered=True)
+    (block,) = store.load(H[:1], layered=[t.name for t in store.tiers])
     np.testing.assert_array_equal(block[0], make_block(0)[0])
     with pytest.raises(CorruptBlock) as err:
         block[1]
     assert err.value.reason == "checksum"
-    (other,) = store.load(H[1:2], layered=True)
+    (other,) = store.load(H[1:2], layered=[t.name for t in store.tiers])
     with tier._lock:  # block 0's value put under block 1's key after block 1's header was read
         assert tier._client.upsert(store.key(H[1]), bytes(tier._client.get(store.key(H[0])))) == 0
     with pytest.raises(LayerUnavailable):

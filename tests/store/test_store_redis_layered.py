@@ -42,7 +42,7 @@ def test_a_redis_block_read_layer_by_layer_equals_the_whole_read(redis_server, c
     store = TieredKVStore([tier], f"{NAMESPACE}|{codec}", SHAPE, DTYPE, codecs={"redis": codec})
     for i in range(3):
         store.save(h(i), make_block(i))
-    layered = store.load([h(i) for i in range(3)], layered=True)
+    layered = store.load([h(i) for i in range(3)], layered=[t.name for t in store.tiers])
     assert len(layered) == 3 and all(isinstance(b, LayeredBlock) for b in layered)
     for i, got in enumerate(layered):
         for layer in range(SHAPE[0]):
@@ -67,7 +67,7 @@ def test_a_flipped_layer_on_redis_passes_the_header_and_is_dropped_when_read(red
     key = store.key(h(0))
     byte = r.getrange(key, offset + length // 2, offset + length // 2)
     r.setrange(key, offset + length // 2, bytes([byte[0] ^ 0x10]))
-    (block,) = store.load([h(0)], layered=True)
+    (block,) = store.load([h(0)], layered=[t.name for t in store.tiers])
     np.testing.assert_array_equal(block[0], make_block(0)[0])
     with pytest.raises(CorruptBlock) as err:
         block[1]
@@ -79,7 +79,7 @@ def test_a_flipped_layer_on_redis_passes_the_header_and_is_dropped_when_read(red
 def test_a_value_evicted_after_its_header_is_a_miss(redis_store):
     store, r = redis_store
     store.save(h(0), make_block(0))
-    (block,) = store.load([h(0)], layered=True)
+    (block,) = store.load([h(0)], layered=[t.name for t in store.tiers])
     r.delete(store.key(h(0)))
     with pytest.raises(LayerUnavailable):
         block[0]
@@ -94,7 +94,7 @@ def test_a_value_replaced_by_another_blocks_never_gives_its_bytes(redis_store):
     one = make_block(1)
     one[0] = zero[0]  # layer 0 identical, so its CRC in block 0's table passes on block 1's value
     store.save(h(0), zero)
-    (block,) = store.load([h(0)], layered=True)
+    (block,) = store.load([h(0)], layered=[t.name for t in store.tiers])
     key = store.key(h(0))
     replaced = encode_block(store.namespace, h(1), one)
     assert len(replaced) == block.nbytes
