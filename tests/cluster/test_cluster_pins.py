@@ -180,3 +180,25 @@ def test_a_restarted_instance_is_sent_the_pins_made_while_it_was_down(cluster):
     assert _cached(url, text) >= 48
     r = _pin(cluster, "unpin", prompt=text)
     assert r.status_code == 200 and set(r.json()["instances"]) == {"i0", "i1"}
+
+
+@pytest.mark.slow
+def test_a_pin_no_instance_takes_is_a_502_and_is_not_kept(cluster):
+    text = "A pin nobody hears: every instance is frozen while it is asked to keep this. " * 3
+
+    def pins() -> int:
+        return httpx.get(f"{cluster.conductor_url}/cluster", headers=_auth(K1), timeout=10).json()["cluster_pins"]
+
+    before = pins()
+    frozen = [cluster.procs[name] for name in ("both0", "both1")]
+    for proc in frozen:
+        os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        r = _pin(cluster, "pin", prompt=text, ttl="10m")  # each instance given up on after 5 s
+    finally:
+        for proc in frozen:
+            os.kill(proc.pid, signal.SIGCONT)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["message"]  # an OpenAI-style body naming the failures
+    assert pins() == before  # nothing kept, so nothing is replayed to the instances later
+    assert cluster.wait_all_up()["instances"]["i0"]["up"]
