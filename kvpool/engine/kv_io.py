@@ -112,11 +112,9 @@ class KVStoreConnector:
         (the first, warming up, prices compute high: the planner errs towards loading)."""
         if self.prefill.count == 0:
             return None
-        config = self.scheduler.config
         return LoadEstimates(self.store.read_costs(self.read_estimate_max_age_s), self.block_bytes,
                              self.prefill_s, overlap=self.overlapped_tiers,
-                             first_forward_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill
-                             else None)
+                             first_forward_tokens=self.scheduler.config.prefill_chunk_tokens)
 
     def prefill_s(self, cached_tokens: int, new_tokens: int) -> float:
         """Estimated seconds to compute `new_tokens` prompt tokens: one step's fixed cost per chunk

@@ -29,6 +29,11 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"  # fcfs | cache-aware | shortest-prefill (kvpool/sched/waiting_order.py)
     max_bypass: int = 8  # cache-aware: admissions a waiting request may be passed over by
 
+    @property
+    def prefill_chunk_tokens(self) -> int | None:
+        """New tokens one forward computes of a prompt at most (None: the whole prompt at once)."""
+        return self.max_num_batched_tokens if self.enable_chunked_prefill else None
+
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")

@@ -76,10 +76,8 @@ class StoreReads:
         self.layerwise = store.layerwise and store.tier in RANGE_TIERS and self.num_groups == 1
         self.staged = 0  # blocks landed at the last step's end: read under the next forward
         if store.plan:
-            config = sched.config
-            sched.admission.load_costs = ModelLoadCosts(
-                cost_model, store.tier, overlap=self.layerwise,
-                first_forward_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill else None)
+            sched.admission.load_costs = ModelLoadCosts(cost_model, store.tier, overlap=self.layerwise,
+                                                        first_forward_tokens=sched.config.prefill_chunk_tokens)
 
     def planned(self, batch: StepBatch, blocks: int) -> None:
         """`blocks` planned in the step `batch` (a layer-grouped model's block holds 1/G of the
