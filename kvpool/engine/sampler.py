@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvpool.engine.layers import fused_ops
 from kvpool.errors import InvalidRequest
 
 _GREEDY_EPS = 1e-5
@@ -190,7 +191,8 @@ def sample(logits: Tensor, params: list[RowParams], allowed: Tensor | None = Non
         raise InvalidRequest(f"{logits.shape[0]} logits rows but {len(params)} sampling params")
     raw = logits = logits.float()
     logits = process_logits(logits, params, allowed)
-    chosen = logits.argmax(-1)
+    native = fused_ops.takes_logits(raw) and fused_ops.takes_logits(logits)
+    chosen = fused_ops.argmax_rows(logits) if native else logits.argmax(-1)
     if not all(p.temperature < _GREEDY_EPS for p in params):  # an all-greedy batch needs no [N] tensors
         t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
         probs = apply_filters(logits, t).softmax(-1)
@@ -204,10 +206,12 @@ def sample(logits: Tensor, params: list[RowParams], allowed: Tensor | None = Non
                 noise[i].exponential_(generator=p.generator)
         drawn = (probs / noise).argmax(-1)
         chosen = torch.where(t.greedy, chosen, drawn)
-    logprobs = raw.log_softmax(-1)
-    chosen_lp = logprobs.gather(-1, chosen.unsqueeze(1)).squeeze(1)
     top: list[list[tuple[int, float]]] | None = None
     max_n = max(p.num_logprobs for p in params)
+    if native and not max_n:  # the chosen tokens' logprobs alone: no [N, V] log_softmax
+        return SampleResult(chosen.tolist(), fused_ops.chosen_logprobs(raw, chosen).tolist(), None)
+    logprobs = raw.log_softmax(-1)
+    chosen_lp = logprobs.gather(-1, chosen.unsqueeze(1)).squeeze(1)
     if max_n:
         values, ids = logprobs.topk(max_n, dim=-1)
         values, ids = values.tolist(), ids.tolist()

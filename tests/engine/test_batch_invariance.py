@@ -20,6 +20,7 @@ from kvpool.engine.layers.linear import (
     AgreeingBuckets,
     PackedLinear,
     Q4Linear,
+    Q4TileLinear,
     Q8Linear,
     TileLinear,
     can_pack_weights,
@@ -27,6 +28,7 @@ from kvpool.engine.layers.linear import (
 )
 from kvpool.engine.loader import load_model
 from kvpool.engine.models.quantized import (
+    VNNI_MAX_ROWS_BF16,
     lanes_groups,
     q4_groups,
     q8_groups,
@@ -76,10 +78,13 @@ def test_grouped_kernels_give_the_dense_gemms_bits_at_every_row_count(bits, shap
     vector_rows, max_rows = row_limits(True, invariant=True)
     served = tile_groups(dense, groups) if vector_rows == 0 else lanes_groups(dense, groups)
     assert served is not None
-    lin = (Q4Linear if bits == 4 else Q8Linear)(dense, served, None, max_rows, vector_rows)
-    x = torch.randn(70, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
+    if vector_rows == 0 and bits == 4:  # AMX: the groups repacked in the B tiles' order
+        lin = Q4TileLinear(dense, served, None, VNNI_MAX_ROWS_BF16)
+    else:
+        lin = (Q4Linear if bits == 4 else Q8Linear)(dense, served, None, max_rows, vector_rows)
+    x = torch.randn(600, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
     want = torch.cat([dense(row) for row in x.split(1)])
-    for rows in (1, 2, 3, 5, 8, 9, 16, 32, 33, 48, 70):
+    for rows in (1, 2, 3, 5, 8, 9, 16, 32, 33, 48, 70, 129, 256, 257, 512, 513, 600):
         assert torch.equal(lin(x[:rows]), want[:rows]), rows
 
 

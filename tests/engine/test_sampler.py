@@ -9,6 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool.engine.kernels import fused_ops_available
+from kvpool.engine.layers import fused_ops
 from kvpool.engine.sampler import (
     RowParams,
     SamplingTensors,
@@ -246,3 +248,29 @@ def test_bad_words_ban_the_last_token_only_where_the_word_would_complete():
 def test_penalty_counts_are_one_scatter_per_batch():
     counts = token_counts([[1, 1, 3], [], [0]], 5, torch.device("cpu"))
     assert counts.tolist() == [[0, 2, 0, 1, 0], [0] * 5, [1, 0, 0, 0, 0]]
+
+
+@pytest.mark.skipif(not fused_ops_available(), reason="fused CPU ops not built")
+def test_native_greedy_pass_matches_torchs_argmax_and_log_softmax():
+    """The native argmax and chosen-logprob ops the sampler takes on CPU: torch's first-index
+    ties, NaN as the maximum, masked (-inf) tokens, and log_softmax's value at the chosen token."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49157, generator=gen) * 4  # a vocabulary that leaves a tail past 16 lanes
+    logits[1, 7] = logits[1, 40000] = 50.0  # a tie: the first wins
+    logits[2, 49156] = 60.0  # the maximum in the tail
+    logits[3, :] = float("-inf")
+    logits[3, 12] = 1.0  # one allowed token
+    logits[4, 100] = float("nan")
+    logits[5, 3:] = float("-inf")
+    chosen = fused_ops.argmax_rows(logits)
+    assert torch.equal(chosen, logits.argmax(-1))
+    got = fused_ops.chosen_logprobs(logits, chosen)
+    want = logits.log_softmax(-1).gather(-1, chosen[:, None])[:, 0]
+    assert torch.isnan(got[4]) and torch.isnan(want[4])
+    keep = torch.tensor([0, 1, 2, 3, 5])
+    assert torch.allclose(got[keep], want[keep], atol=1e-5, rtol=0)
+    res = sample(logits[keep], [RowParams(temperature=0.0)] * 5)
+    assert res.token_ids == chosen[keep].tolist()
+    assert res.logprobs == pytest.approx(want[keep].tolist(), abs=1e-5)
+    with pytest.raises(RuntimeError, match="out of the vocabulary"):
+        fused_ops.chosen_logprobs(logits, torch.full((6,), 49157))

@@ -36,6 +36,7 @@ struct Ops {
   using Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
   c10::TypedOperatorHandle<Linear> q4_linear = find<Linear>("kvpool::q4_linear");
   c10::TypedOperatorHandle<Linear> q4_linear_amx = find<Linear>("kvpool::q4_linear_amx");
+  c10::TypedOperatorHandle<Linear> q4_vnni_linear_amx = find<Linear>("kvpool::q4_vnni_linear_amx");
 };
 
 const Ops& ops() {
@@ -44,14 +45,16 @@ const Ops& ops() {
 }
 
 // Per layer, in `weights`: the input norm's weight, the QKV projection's (nibbles, scales, mins),
-// o_proj's three, the post-attention norm's weight, gate_up's three, down's three.
+// o_proj's three, the post-attention norm's weight, gate_up's three, down's three. `kernel` is
+// the projections' 4-bit kernel: 0 the vector one, 1 the AMX one over groups as they are, 2 the
+// AMX one over groups repacked in the B tiles' order (layers/linear.py: Q4Linear, Q4TileLinear).
 constexpr int64_t kPerLayer = 14;
 
 Tensor decode_layers(const Tensor& x, at::TensorList weights, at::TensorList caches, const Tensor& cos,
                      const Tensor& sin, const Tensor& local_cos, const Tensor& local_sin, at::IntArrayRef local_layers,
                      at::IntArrayRef windows, const Tensor& final_norm, const Tensor& slots,
                      const Tensor& block_tables, const Tensor& query_start, const Tensor& seq_lens, const Tensor& seqs,
-                     int64_t heads, int64_t kv_heads, double scale, double softcap, double eps, bool tiles) {
+                     int64_t heads, int64_t kv_heads, double scale, double softcap, double eps, int64_t kernel) {
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
                   static_cast<int64_t>(caches.size()) == 2 * layers &&
@@ -59,7 +62,8 @@ Tensor decode_layers(const Tensor& x, at::TensorList weights, at::TensorList cac
               "decode_layers: per layer ", kPerLayer, " weights, a (k, v) cache pair, a window and a local-rope flag");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x must be [T, hidden], contiguous");
   const Ops& op = ops();
-  const auto& linear = tiles ? op.q4_linear_amx : op.q4_linear;
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "decode_layers: kernel must be 0, 1 or 2");
+  const auto& linear = kernel == 2 ? op.q4_vnni_linear_amx : kernel == 1 ? op.q4_linear_amx : op.q4_linear;
   const int64_t t = x.size(0);
   Tensor hidden = x, residual;
   for (int64_t i = 0; i < layers; ++i) {
@@ -91,6 +95,6 @@ TORCH_LIBRARY(kvpool_loop, m) {
   m.def("decode_layers(Tensor x, Tensor[] weights, Tensor(a!)[] caches, Tensor cos, Tensor sin, Tensor local_cos, "
         "Tensor local_sin, int[] local_layers, int[] windows, Tensor final_norm, Tensor slots, Tensor block_tables, "
         "Tensor query_start, Tensor seq_lens, Tensor seqs, int heads, int kv_heads, float scale, float softcap, "
-        "float eps, bool tiles) -> Tensor");
+        "float eps, int kernel) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(kvpool_loop, CPU, m) { m.impl("decode_layers", decode_layers); }

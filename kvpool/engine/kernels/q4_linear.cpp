@@ -555,6 +555,44 @@ void store_rows(const float* c, bf16* y, int64_t n_out, int64_t rows, int64_t ou
     _mm256_mask_storeu_epi16(y + m * n_out, valid, round_to_bf16(_mm512_loadu_ps(c + m * kTileRows)));
 }
 
+// C tile t of a pass (row block b0 + t / 2, strip s0 + t % 2) -> y, rounded to bf16; outputs
+// past n_out are not stored.
+void store_pass(float (*c)[kTileRows * kTileRows], int64_t pass, int64_t b0, int64_t s0, bf16* y, int64_t n_out,
+                int64_t rows) {
+  for (int64_t t = 0; t < 2 * pass; ++t) {
+    const int64_t m0 = (b0 + t / 2) * kTileRows, strip = s0 + t % 2;
+    const int64_t outputs = std::max<int64_t>(0, std::min(kTileRows, n_out - strip * kTileRows));
+    if (outputs == 0) continue;
+    switch (t) {  // literal tile numbers
+      case 0: _tile_stored(0, c[0], 64); break;
+      case 1: _tile_stored(1, c[1], 64); break;
+      case 2: _tile_stored(2, c[2], 64); break;
+      default: _tile_stored(3, c[3], 64); break;
+    }
+    store_rows(c[t], y + m0 * n_out + strip * kTileRows, n_out, std::min(kTileRows, rows - m0), outputs);
+  }
+}
+
+// Row blocks b0 and b0 + 1 (where it exists) of x against a strip pair into C tiles 0-3
+// (tile_pass); returns how many blocks the pass took.
+int64_t pair_pass(const bf16* x, int64_t b0, int64_t blocks, int64_t k, const bf16* pair, int64_t strip_size) {
+  const int64_t pass = std::min<int64_t>(2, blocks - b0);
+  const bf16* xb = x + b0 * kTileRows * k;
+  if (pass == 2)
+    tile_pass<2>(xb, k, pair, strip_size);
+  else
+    tile_pass<1>(xb, k, pair, strip_size);
+  return pass;
+}
+
+// x's rows as A tiles read them in place: whole pairs of 16-row blocks, a zero tail past the rows.
+at::Tensor pad_to_passes(const at::Tensor& x) {
+  const int64_t rows = x.size(0), blocks = (rows + kTileRows - 1) / kTileRows;
+  const int64_t padded = ((blocks + 1) / 2) * 2 * kTileRows;
+  const at::Tensor xc = x.contiguous();
+  return padded == rows ? xc : at::cat({xc, at::zeros({padded - rows, x.size(1)}, xc.options())});
+}
+
 // Dense bf16 weights as linear.py's `TileLinear` packs them: [N/32 pairs of strips][K/32][16
 // pairs of K][16 outputs][2], zero past N.
 struct PackedStrips {
@@ -567,14 +605,10 @@ at::Tensor linear_amx_packed(const PackedStrips& f, const at::Tensor& x, int64_t
   const int64_t rows = x.size(0), k = x.size(1), blocks = (rows + kTileRows - 1) / kTileRows;
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return y;
-  // A tiles read 16 rows in place: whole blocks, a zero tail where the rows stop short
-  at::Tensor xc = x.contiguous();
-  const int64_t padded = ((blocks + 1) / 2) * 2 * kTileRows;  // passes take two blocks
-  if (padded != rows) xc = at::cat({xc, at::zeros({padded - rows, k}, xc.options())});
+  const at::Tensor xc = pad_to_passes(x);
   const bf16* xp = xc.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const int64_t strips = (n_out + kTileRows - 1) / kTileRows, strip_size = kTileRows * k;
-  const auto outputs_of = [&](int64_t nb) { return std::max<int64_t>(0, std::min(kTileRows, n_out - nb * kTileRows)); };
   at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
     alignas(64) float c[4][kTileRows * kTileRows];
@@ -585,26 +619,136 @@ at::Tensor linear_amx_packed(const PackedStrips& f, const at::Tensor& x, int64_t
         const int64_t s0 = 2 * pr;
         const bf16* pair = f.strips + s0 * strip_size;
         for (int64_t b0 = c0; b0 < std::min(blocks, c0 + kChunkBlocks); b0 += 2) {
-          const int64_t pass = std::min<int64_t>(2, blocks - b0);
-          const bf16* xb = xp + b0 * kTileRows * k;
-          if (pass == 2)
-            tile_pass<2>(xb, k, pair, strip_size);
-          else
-            tile_pass<1>(xb, k, pair, strip_size);
-          for (int64_t t = 0; t < 2 * pass; ++t) {
-            const int64_t block = b0 + t / 2, strip = s0 + t % 2;
-            if (outputs_of(strip) == 0) continue;
-            switch (t) {  // literal tile numbers
-              case 0: _tile_stored(0, c[0], 64); break;
-              case 1: _tile_stored(1, c[1], 64); break;
-              case 2: _tile_stored(2, c[2], 64); break;
-              default: _tile_stored(3, c[3], 64); break;
-            }
-            const int64_t m0 = block * kTileRows;
-            store_rows(c[t], yp + m0 * n_out + strip * kTileRows, n_out, std::min(kTileRows, rows - m0),
-                       outputs_of(strip));
-          }
+          store_pass(c, pair_pass(xp, b0, blocks, k, pair, strip_size), b0, s0, yp, n_out, rows);
         }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
+// --- 4-bit groups in the B tiles' order (`q4_vnni_repack` in models/quantized.py) ------------
+// Any row count, the same products in the same order as the dense copy above: each strip's
+// groups are dequantized into the packed kernel's B tiles, and the activations pass as A tiles.
+// vq [N/16][K/32][16 pairs of K][16 bytes]: byte b of pair p holds output b/2's weight 2p + b%2
+// (low nibble) and output 8 + b/2's (high nibble); vs, vm [N/16][K/32][16 outputs] float32. A
+// pair of K's tile row (16 outputs x 2) is then one 16-byte load, two conversions and d * q + m
+// in float32 rounded to bf16 once, as the dense copy was made: no transposes. This reads 0.75
+// bytes a weight where the dense copy reads 2, so a step whose bf16 copy is out of cache (a
+// prefill after decode steps, which read the groups) or a decode step of 16-32 rows gains.
+
+// One group of one strip: a B tile (1 KB) at dst.
+inline void dequant_vnni_group(const uint8_t* vq, const float* vs, const float* vm, bf16* dst) {
+  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+  const __m128i low4 = _mm_set1_epi8(15);
+  const __m512 d = _mm512_loadu_ps(vs), m = _mm512_loadu_ps(vm);
+  const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
+  const __m512 mlo = _mm512_permutexvar_ps(lo_idx, m), mhi = _mm512_permutexvar_ps(hi_idx, m);
+  for (int p = 0; p < kTileRows; ++p) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vq + p * 16));
+    const __m512 qlo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+    const __m512 qhi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+    const __m512 wlo = _mm512_add_ps(_mm512_mul_ps(qlo, dlo), mlo);  // multiply, then add: as group16
+    const __m512 whi = _mm512_add_ps(_mm512_mul_ps(qhi, dhi), mhi);
+    const __m512bh w = _mm512_cvtne2ps_pbh(whi, wlo);  // words 0-15: outputs 0-7, 16-31: outputs 8-15
+    _mm512_storeu_si512(dst + p * 2 * kTileRows, reinterpret_cast<const __m512i&>(w));
+  }
+}
+
+struct VnniStrip {
+  const uint8_t* q;
+  const float* scale;
+  const float* mins;
+  VnniStrip group(int64_t g) const { return {q + g * 256, scale + g * kTileRows, mins + g * kTileRows}; }
+};
+
+// Up to two row blocks in one pass (C0 = x1.a, C1 = x1.b, C2 = x2.a, C3 = x2.b, as tile_pass):
+// each group of both strips is dequantized one group ahead into a ring of four in L1.
+template <int B>
+void stream_pair(const bf16* x, int64_t k, VnniStrip a, VnniStrip b, bf16* ring) {
+  const int64_t groups = k / kGroup, lda = k * sizeof(bf16);
+  const auto make = [&](int64_t g) {
+    bf16* slot = ring + (g & 3) * 2 * kTileRows * kGroup;
+    const VnniStrip ga = a.group(g), gb = b.group(g);
+    dequant_vnni_group(ga.q, ga.scale, ga.mins, slot);
+    dequant_vnni_group(gb.q, gb.scale, gb.mins, slot + kTileRows * kGroup);
+  };
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (B > 1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  make(0);
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + 1 < groups) make(g + 1);
+    const bf16* slot = ring + (g & 3) * 2 * kTileRows * kGroup;
+    _tile_loadd(4, x + g * kGroup, lda);
+    _tile_loadd(6, slot, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, slot + kTileRows * kGroup, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (B > 1) {
+      _tile_loadd(5, x + kTileRows * k + g * kGroup, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+at::Tensor linear_amx_vnni(const at::Tensor& x, const uint8_t* q, const float* scale, const float* mins, int64_t n_out) {
+  TORCH_CHECK(amx_unavailable_reason().empty(), "AMX kernel unavailable: ", amx_unavailable_reason());
+  const int64_t rows = x.size(0), k = x.size(1), blocks = (rows + kTileRows - 1) / kTileRows, groups = k / kGroup;
+  at::Tensor y = at::empty({rows, n_out}, x.options());
+  if (rows == 0 || n_out == 0) return y;
+  const at::Tensor xc = pad_to_passes(x);
+  const bf16* xp = xc.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t strips = n_out / kTileRows, strip_size = kTileRows * k;
+  const auto strip_at = [&](int64_t s) {
+    return VnniStrip{q + s * groups * 256, scale + s * groups * kTileRows, mins + s * groups * kTileRows};
+  };
+  const auto make_strip = [&](int64_t s, bf16* dst) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const VnniStrip gs = strip_at(s).group(g);
+      dequant_vnni_group(gs.q, gs.scale, gs.mins, dst + g * kTileRows * kGroup);
+    }
+  };
+  // an odd last strip pairs with itself; its second copy is past n_out, not stored
+  const auto second = [&](int64_t s0) { return std::min(s0 + 1, strips - 1); };
+  at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    alignas(64) float c[4][kTileRows * kTileRows];
+    if (blocks <= 2) {  // one pass over each pair: stream its groups through L1
+      alignas(64) bf16 ring[4 * 2 * kTileRows * kGroup];
+      for (int64_t pr = begin; pr < end; ++pr) {
+        const int64_t s0 = 2 * pr;
+        if (blocks == 2)
+          stream_pair<2>(xp, k, strip_at(s0), strip_at(second(s0)), ring);
+        else
+          stream_pair<1>(xp, k, strip_at(s0), strip_at(second(s0)), ring);
+        store_pass(c, blocks, 0, s0, yp, n_out, rows);
+      }
+      _tile_release();
+      return;
+    }
+    // Several passes: the pair is dequantized whole (the next one after the first pass).
+    thread_local std::vector<bf16> pairs;
+    pairs.resize(4 * strip_size);
+    const auto make_pair = [&](int64_t pr, bf16* dst) {
+      make_strip(2 * pr, dst);
+      make_strip(second(2 * pr), dst + strip_size);
+    };
+    make_pair(begin, pairs.data());
+    for (int64_t pr = begin; pr < end; ++pr) {
+      const bf16* pair = pairs.data() + ((pr - begin) & 1) * 2 * strip_size;
+      bf16* next = pairs.data() + ((pr - begin + 1) & 1) * 2 * strip_size;
+      for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
+        const int64_t pass = pair_pass(xp, b0, blocks, k, pair, strip_size);
+        if (b0 == 0 && pr + 1 < end) make_pair(pr + 1, next);
+        store_pass(c, pass, b0, 2 * pr, yp, n_out, rows);
       }
     }
     _tile_release();
@@ -618,6 +762,10 @@ struct PackedStrips {
 const std::string& amx_unavailable_reason() {
   static const std::string reason = "the kernel was built without AMX-TILE/AMX-BF16 (-march=native on this CPU)";
   return reason;
+}
+
+at::Tensor linear_amx_vnni(const at::Tensor&, const uint8_t*, const float*, const float*, int64_t) {
+  TORCH_CHECK(false, "AMX kernel unavailable: ", amx_unavailable_reason());
 }
 
 template <class Fmt>
@@ -672,6 +820,22 @@ at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& strips, int64_
   return linear_amx_packed(PackedStrips{reinterpret_cast<const bf16*>(strips.data_ptr<at::BFloat16>())}, x, n_out);
 }
 
+// y = x . W^T for Q4_1 groups repacked in the B tiles' order (quantized.py: q4_vnni_repack):
+// vq [N/16, K/32, 16, 16] uint8, vs and vm [N/16, K/32, 16] float32.
+at::Tensor q4_vnni_linear_amx(const at::Tensor& x, const at::Tensor& vq, const at::Tensor& vs, const at::Tensor& vm) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % kGroup == 0,
+              "q4_vnni_linear_amx: x must be bfloat16 [M, K], K a multiple of 32");
+  const int64_t strips = vq.size(0), groups = x.size(1) / kGroup;
+  TORCH_CHECK(vq.scalar_type() == at::kByte && vq.is_contiguous() && vq.dim() == 4 && vq.size(1) == groups &&
+                  vq.size(2) == 16 && vq.size(3) == 16,
+              "q4_vnni_linear_amx: vq must be contiguous uint8 [N/16, K/32, 16, 16]");
+  for (const at::Tensor* t : {&vs, &vm})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == strips &&
+                    t->size(1) == groups && t->size(2) == 16,
+                "q4_vnni_linear_amx: vs and vm must be contiguous float32 [N/16, K/32, 16]");
+  return linear_amx_vnni(x, vq.data_ptr<uint8_t>(), vs.data_ptr<float>(), vm.data_ptr<float>(), strips * 16);
+}
+
 at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "q8_linear_amx: x must be bfloat16");
   const Q8Format f = q8_format(x, qs, scale);
@@ -686,6 +850,7 @@ TORCH_LIBRARY(kvpool, m) {
   m.def("q4_linear_amx(Tensor x, Tensor qs, Tensor scale, Tensor mins) -> Tensor");
   m.def("q8_linear_amx(Tensor x, Tensor qs, Tensor scale) -> Tensor");
   m.def("bf16_linear_amx(Tensor x, Tensor strips, int n_out) -> Tensor");
+  m.def("q4_vnni_linear_amx(Tensor x, Tensor vq, Tensor vs, Tensor vm) -> Tensor");
   m.def("amx_unavailable() -> str", amx_unavailable);
   m.def("lanes_available(bool float32=False) -> bool", lanes_available);
   m.def("q4_repack(Tensor qs, Tensor scale, Tensor mins, int kblock, bool float32=False) -> Tensor[]");
@@ -697,6 +862,7 @@ TORCH_LIBRARY_IMPL(kvpool, CPU, m) {
   m.impl("q4_linear_amx", q4_linear_amx);
   m.impl("q8_linear_amx", q8_linear_amx);
   m.impl("bf16_linear_amx", bf16_linear_amx);
+  m.impl("q4_vnni_linear_amx", q4_vnni_linear_amx);
   m.impl("q4_repack", q4_repack);
   m.impl("q8_repack", q8_repack);
 }

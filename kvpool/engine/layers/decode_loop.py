@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from kvpool.engine.attention import AttentionMetadata, KVCache
 from kvpool.engine.kernels import decode_loop_available
 from kvpool.engine.layers import fused_ops
-from kvpool.engine.layers.linear import Q4Linear
+from kvpool.engine.layers.linear import Q4Linear, Q4TileLinear
 from kvpool.engine.layers.norm import RMSNorm
 from kvpool.engine.models.config import ModelConfig
 
@@ -41,17 +41,18 @@ class DecodeLoop:
         if not (plain and layers and decode_loop_available()) or (config.rotary_dim or config.head_dim) != config.head_dim:
             return None
         weights: list[Tensor] = []
-        limits, eps = set(), {final_norm.eps}
+        limits, eps, kinds = set(), {final_norm.eps}, set()
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(type(p) is Q4Linear and p.bias is None for p in projs):
+            if not all(type(p) in (Q4Linear, Q4TileLinear) and p.bias is None for p in projs):
                 return None
+            kinds |= {type(p) for p in projs}
             limits |= {(p.max_rows, p.vector_rows) for p in projs}
             eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
             weights += [layer.input_layernorm.weight, *attn.qkv_proj.groups, *attn.o_proj.groups,
                         layer.post_attention_layernorm.weight, *mlp.gate_up_proj.groups, *mlp.down_proj.groups]
-        if len(limits) != 1 or len(eps) != 1:
+        if len(limits) != 1 or len(eps) != 1 or len(kinds) != 1:
             return None
         attn = layers[0].self_attn
         return cls(
@@ -79,5 +80,11 @@ class DecodeLoop:
         return torch.ops.kvpool_loop.decode_layers(
             x, self.weights, self._caches[1], *rope, *local, self.local_layers, self.windows, self.final_norm,
             meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.native_seqs,
-            self.heads, self.kv_heads, self.scale, self.softcap, self.eps, x.shape[0] > self.limits.vector_rows,
+            self.heads, self.kv_heads, self.scale, self.softcap, self.eps, self._kernel(x.shape[0]),
         )
+
+    def _kernel(self, rows: int) -> int:
+        """The projections' kernel for `rows`, as Q4Linear.forward picks it (layer_loop.cpp)."""
+        if type(self.limits) is Q4TileLinear:
+            return 2
+        return int(rows > self.limits.vector_rows)

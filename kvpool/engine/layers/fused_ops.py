@@ -41,3 +41,19 @@ def rope_write_kv(
 ) -> tuple[Tensor, Tensor]:
     """(q [T, H, D], k [T, Hkv, D]) rotated; k and V written to their slots."""
     return torch.ops.kvpool_fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+
+
+def takes_logits(logits: Tensor) -> bool:
+    """Whether the sampling ops take these logits (contiguous float32 rows on CPU, the kernel built)."""
+    return logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2 \
+        and logits.is_contiguous() and logits.shape[1] > 0 and fused_ops_available()
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """torch.argmax(logits, -1): the first maximum's index, a NaN counting as the maximum."""
+    return torch.ops.kvpool_fused.argmax_rows(logits)
+
+
+def chosen_logprobs(logits: Tensor, chosen: Tensor) -> Tensor:
+    """log_softmax(logits, -1) at each row's chosen token, without the [N, V] result."""
+    return torch.ops.kvpool_fused.chosen_logprobs(logits, chosen)

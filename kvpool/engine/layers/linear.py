@@ -75,7 +75,7 @@ class PackedLinear(nn.Module):
     its step. Each bucket therefore runs as is only once it has been checked, on probe rows,
     to give the smallest bucket's bits; a batch in any other bucket runs as chunks of an
     agreeing bucket below it or padded to one above (`AgreeingBuckets`). Batch-invariant bf16
-    on AMX, the projections use `TileLinear` instead; the LM head stays here."""
+    on AMX, the projections and the LM head use `TileLinear` instead."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, batch_hint: int = 8) -> None:
         super().__init__()
@@ -262,6 +262,18 @@ class Q4Linear(nn.Module):
     def warm_up(self, max_rows: int) -> None:
         """The dense copy's kernels (the groups' kernels take any row count as built)."""
         self.dense.warm_up(max_rows)
+
+
+class Q4TileLinear(Q4Linear):
+    """Q4_1 groups repacked in the AMX B tiles' order (`models/quantized.q4_vnni_repack`) for
+    batches of up to `max_rows`, the dense `TileLinear` above: the same products in the same
+    order, so the same bits, from 0.75 bytes a weight instead of 2."""
+
+    def __init__(self, dense: nn.Module, groups: tuple[Tensor, ...], bias: Tensor | None, max_rows: int) -> None:
+        super().__init__(dense, groups, bias, max_rows, vector_rows=0)
+
+    def tile_kernel(self, x: Tensor) -> Tensor:
+        return torch.ops.kvpool.q4_vnni_linear_amx(x, *self.groups)
 
 
 class Q8Linear(Q4Linear):

@@ -7,7 +7,8 @@ small batches (`Q4Linear`), and the LM head its exact Q8_0 groups (`Q8Linear`), 
 bfloat16. Batch-invariant (the default, see `kernels.batch_invariant`): groups serve only where
 their kernel gives the dense GEMM's bits (the lanes kernels, `lanes_groups`, or on AMX CPUs the
 tile kernel, `tile_groups`), so the row count never changes a row; on AMX CPUs in bf16 the dense
-copies are `TileLinear`s too (oneDNN's order depends on the row count there).
+copies are `TileLinear`s too (oneDNN's order depends on the row count there), and Q4_1 groups,
+repacked in the tiles' order, serve steps of up to `VNNI_MAX_ROWS_BF16` rows (`Q4TileLinear`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from kvpool.engine.layers.linear import (
     FrozenLinear,
     PackedLinear,
     Q4Linear,
+    Q4TileLinear,
     Q8Linear,
     TileLinear,
     can_pack_weights,
 )
-from kvpool.engine.models.quantized import lanes_groups, row_limits, tile_groups
+from kvpool.engine.models.quantized import VNNI_MAX_ROWS_BF16, lanes_groups, row_limits, tile_groups
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class LinearPacker:
         self.vector_rows, self.max_rows = row_limits(self.bf16, invariant=self.invariant) if q4_kernels else (0, 0)
         # batch-invariant bf16 on AMX: projections on the tile kernel at every row count (TileLinear)
         self.tiles = self.invariant and self.bf16 and self.dense is PackedLinear and q4_amx_available()
-        self.served = 0  # projections that serve small batches from their groups
+        self.served: list[Q4Linear] = []  # projections that serve small batches from their groups
 
     def linear(self, name: str, weight: Tensor, bias: Tensor | None) -> nn.Module:
         """The layer for projection `name` (Q4_1 groups, or Q8_0 ones quantized on load)."""
@@ -64,13 +66,17 @@ class LinearPacker:
         groups = self._exact(name, dense, (3, 2))
         if groups is None:
             return dense
-        self.served += 1
-        kind = Q4Linear if len(groups) == 3 else Q8Linear
-        return kind(dense, groups, dense.bias, self.max_rows, self.vector_rows)
+        if self.tiles and len(groups) == 3:  # repacked by tile_groups
+            layer: Q4Linear = Q4TileLinear(dense, groups, dense.bias, VNNI_MAX_ROWS_BF16)
+        else:
+            kind = Q4Linear if len(groups) == 3 else Q8Linear
+            layer = kind(dense, groups, dense.bias, self.max_rows, self.vector_rows)
+        self.served.append(layer)
+        return layer
 
     def head(self, name: str, weight: Tensor) -> nn.Module:
         """The LM head's layer: dense, or its Q8_0 groups for small batches."""
-        dense = self.dense(weight, None)
+        dense = (TileLinear if self.tiles and TileLinear.fits(weight) else self.dense)(weight, None)
         groups = self._exact(name, dense, (2,))
         if groups is None:
             return dense
@@ -80,7 +86,7 @@ class LinearPacker:
     @property
     def q4_rows(self) -> int:
         """Batches up to this many rows run on groups (0: none do)."""
-        return self.max_rows if self.served else 0
+        return max((layer.max_rows for layer in self.served), default=0)
 
     def _exact(self, name: str, dense: nn.Module, sizes: tuple[int, ...]) -> tuple[Tensor, ...] | None:
         groups = self.groups.pop(name, None)
@@ -98,7 +104,7 @@ class LinearPacker:
         if not self.q4_kernels:
             return
         logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups%s%s",
-                    self.served, projections, self.max_rows,
+                    len(self.served), projections, self.q4_rows,
                     f"; the LM head <= {head.max_rows} rows from 8-bit groups" if isinstance(head, Q8Linear) else "",
                     " (bit for bit the dense GEMM's results)" if self.invariant else "")
         logger.info("decode-sized steps run %s", "the native layer loop" if native_loop else "the Python layer loop")

@@ -42,9 +42,15 @@ LANES_MAX_ROWS_BF16 = 8  # the batch-invariant lanes kernels (their bits equal t
 # kernels' vdpbf16ps adds each K pair in the other order; so the tile kernel serves the groups
 # up to 32 rows (30 layers of the bundled model's projections, 2 threads: 9.3 ms at 1 row vs
 # oneDNN's 15.8) and the dense copy, on the same kernel (`TileLinear`), larger batches (0.29 vs
-# 0.45 ms a layer at 64 rows, 1.8 vs 2.2 at 512). The LM head stays on oneDNN (1.4 ms at 1 row,
-# the tile kernel 1.9: its bf16 copy stays in L3).
+# 0.45 ms a layer at 64 rows, 1.8 vs 2.2 at 512). The LM head's dense copy is a `TileLinear` too
+# (2026-12-05, out of cache in a 32-row decode step: 2.5 ms against oneDNN's 3.5).
 TILES_MAX_ROWS_BF16 = 32
+# ... and Q4_1 groups repacked in the B tiles' order (`q4_vnni_repack`) up to this many rows,
+# the dense copy above: the repacked kernel dequantizes each weight once per 256 rows and reads
+# 0.75 bytes a weight, the dense copy 2, so it wins where the weights come from memory (decode
+# steps; a prompt after decode steps, which keep the groups, not the copy, in cache) and loses
+# by the dequantization where both are cached (docs/performance.md, 2026-12-05).
+VNNI_MAX_ROWS_BF16 = 512
 LANES_HEAD_MAX_ROWS_BF16 = 4
 # float32 lanes kernels (AVX2 Zen 3, one thread, a shared box): the bundled model's four
 # projections of a layer take 0.54-0.70 ms at 1 row (dense 2.3-3.0, the per-row-count kernel
@@ -204,11 +210,37 @@ def lanes_groups(
 
 
 def tile_groups(dense: nn.Module, groups: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
-    """`groups` where the AMX tile kernel's results on bf16 rows equal `dense`'s (the batch-
-    invariant oneDNN GEMM or `TileLinear`) bit for bit on probe rows, else None (the projection
-    stays dense)."""
+    """The groups for the AMX tile kernels where their results on bf16 rows equal `dense`'s (the
+    batch-invariant oneDNN GEMM or `TileLinear`) bit for bit on probe rows, else None (the
+    projection stays dense): Q4_1 groups repacked in the B tiles' order (`q4_vnni_repack`;
+    outputs a multiple of 16), Q8_0 groups as they are."""
     n, k = groups[1].shape[0], groups[1].shape[1] * GROUP
     gen = torch.Generator().manual_seed(n * 7919 + k)
-    x = torch.randn(TILES_MAX_ROWS_BF16, k, generator=gen).bfloat16()
-    kernel = torch.ops.kvpool.q4_linear_amx if len(groups) == 3 else torch.ops.kvpool.q8_linear_amx
+    x = torch.randn(TILES_MAX_ROWS_BF16 + 5, k, generator=gen).bfloat16()  # one pass, and a part-filled one
+    if len(groups) == 3:
+        if n % 16:
+            return None
+        groups = q4_vnni_repack(*groups)
+        kernel = torch.ops.kvpool.q4_vnni_linear_amx
+    else:
+        kernel = torch.ops.kvpool.q8_linear_amx
     return groups if torch.equal(kernel(x, *groups), dense(x)) else None
+
+
+def q4_vnni_repack(nibbles: Tensor, scale: Tensor, mins: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_1 groups (`q4_groups`) in the order `kvpool::q4_vnni_linear_amx` dequantizes them
+    straight into AMX B tiles: nibbles [N/16, K/32, 16 pairs of K, 16 bytes], byte b of pair p
+    holding output b/2's weight 2p + b%2 (low nibble) and output 8 + b/2's (high nibble); scales
+    and mins [N/16, K/32, 16 outputs]. N must be a multiple of 16."""
+    n, groups = scale.shape
+    if n % 16:
+        raise ValueError(f"q4_vnni_repack: {n} outputs, not a multiple of 16")
+    packed = nibbles.view(n, groups, GROUP // 2)
+    levels = torch.cat((packed & 15, packed >> 4), dim=-1)  # [N, K/32, 32] in K order
+    by_pair = levels.view(n // 16, 2, 8, groups, 16, 2).permute(0, 3, 4, 1, 2, 5)  # strip, group, pair, half, output, k
+    vq = (by_pair[:, :, :, 0] | (by_pair[:, :, :, 1] << 4)).reshape(n // 16, groups, 16, 16).contiguous()
+
+    def per_strip(t: Tensor) -> Tensor:
+        return t.float().view(n // 16, 16, groups).transpose(1, 2).contiguous()
+
+    return vq, per_strip(scale), per_strip(mins)
