@@ -191,7 +191,7 @@ def sample(logits: Tensor, params: list[RowParams], allowed: Tensor | None = Non
         raise InvalidRequest(f"{logits.shape[0]} logits rows but {len(params)} sampling params")
     raw = logits = logits.float()
     logits = process_logits(logits, params, allowed)
-    native = fused_ops.takes_logits(raw) and fused_ops.takes_logits(logits)
+    native = fused_ops.takes_logits(raw)  # by dtype and device alone: the same path for any batch
     chosen = fused_ops.argmax_rows(logits) if native else logits.argmax(-1)
     if not all(p.temperature < _GREEDY_EPS for p in params):  # an all-greedy batch needs no [N] tensors
         t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
@@ -208,12 +208,17 @@ def sample(logits: Tensor, params: list[RowParams], allowed: Tensor | None = Non
         chosen = torch.where(t.greedy, chosen, drawn)
     top: list[list[tuple[int, float]]] | None = None
     max_n = max(p.num_logprobs for p in params)
-    if native and not max_n:  # the chosen tokens' logprobs alone: no [N, V] log_softmax
-        return SampleResult(chosen.tolist(), fused_ops.chosen_logprobs(raw, chosen).tolist(), None)
-    logprobs = raw.log_softmax(-1)
-    chosen_lp = logprobs.gather(-1, chosen.unsqueeze(1)).squeeze(1)
+    if native:  # the logprobs wanted, no [N, V] log_softmax
+        chosen_lp = fused_ops.log_softmax_at(raw, chosen.unsqueeze(1)).squeeze(1)
+        if max_n:
+            ids = raw.topk(max_n, dim=-1).indices
+            values = fused_ops.log_softmax_at(raw, ids)
+    else:
+        logprobs = raw.log_softmax(-1)
+        chosen_lp = logprobs.gather(-1, chosen.unsqueeze(1)).squeeze(1)
+        if max_n:
+            values, ids = logprobs.topk(max_n, dim=-1)
     if max_n:
-        values, ids = logprobs.topk(max_n, dim=-1)
         values, ids = values.tolist(), ids.tolist()
         top = [
             list(zip(ids[i][: p.num_logprobs], values[i][: p.num_logprobs], strict=True))

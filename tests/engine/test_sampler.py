@@ -251,9 +251,10 @@ def test_penalty_counts_are_one_scatter_per_batch():
 
 
 @pytest.mark.skipif(not fused_ops_available(), reason="fused CPU ops not built")
-def test_native_greedy_pass_matches_torchs_argmax_and_log_softmax():
-    """The native argmax and chosen-logprob ops the sampler takes on CPU: torch's first-index
-    ties, NaN as the maximum, masked (-inf) tokens, and log_softmax's value at the chosen token."""
+def test_native_sampling_ops_match_torchs_argmax_and_log_softmax():
+    """The native argmax and log_softmax terms the sampler takes on CPU: torch's first-index
+    ties, NaN as the maximum, masked (-inf) tokens, log_softmax's values; and a row's chosen
+    logprob the same whether top logprobs are asked in its batch or not (batch invariance)."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 49157, generator=gen) * 4  # a vocabulary that leaves a tail past 16 lanes
     logits[1, 7] = logits[1, 40000] = 50.0  # a tie: the first wins
@@ -264,13 +265,16 @@ def test_native_greedy_pass_matches_torchs_argmax_and_log_softmax():
     logits[5, 3:] = float("-inf")
     chosen = fused_ops.argmax_rows(logits)
     assert torch.equal(chosen, logits.argmax(-1))
-    got = fused_ops.chosen_logprobs(logits, chosen)
-    want = logits.log_softmax(-1).gather(-1, chosen[:, None])[:, 0]
-    assert torch.isnan(got[4]) and torch.isnan(want[4])
+    ids = torch.cat([chosen[:, None], torch.randint(0, 49157, (6, 4), generator=gen)], 1)
+    got = fused_ops.log_softmax_at(logits, ids)
+    want = logits.log_softmax(-1).gather(-1, ids)
+    assert torch.isnan(got[4]).all() and torch.isnan(want[4]).all()
     keep = torch.tensor([0, 1, 2, 3, 5])
-    assert torch.allclose(got[keep], want[keep], atol=1e-5, rtol=0)
-    res = sample(logits[keep], [RowParams(temperature=0.0)] * 5)
-    assert res.token_ids == chosen[keep].tolist()
-    assert res.logprobs == pytest.approx(want[keep].tolist(), abs=1e-5)
-    with pytest.raises(RuntimeError, match="out of the vocabulary"):
-        fused_ops.chosen_logprobs(logits, torch.full((6,), 49157))
+    assert torch.allclose(got[keep], want[keep], atol=1e-5, rtol=0, equal_nan=True)
+    alone = sample(logits[keep], [RowParams(temperature=0.0)] * 5)
+    assert alone.token_ids == chosen[keep].tolist()
+    assert alone.logprobs == pytest.approx(want[keep, 0].tolist(), abs=1e-5)
+    beside_top = sample(logits[keep], [RowParams(temperature=0.0, num_logprobs=i % 2 * 3) for i in range(5)])
+    assert beside_top.logprobs == alone.logprobs  # bit for bit
+    assert all(t[0] == (tok, lp) for t, tok, lp in zip(beside_top.top_logprobs[1::2], alone.token_ids[1::2],
+                                                         alone.logprobs[1::2], strict=True))

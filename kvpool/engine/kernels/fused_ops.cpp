@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -309,8 +310,8 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
 }
 
 
-// Sampling's two passes over a step's [N, V] float32 logits, a row per task (torch's argmax and
-// log_softmax take 1-2 ms at 32 x 49k here, ~10x these). Each row alone, whatever N.
+// Sampling's passes over a step's [N, V] float32 logits, a row per task (torch's argmax and
+// log_softmax take 1-2 ms at 32 x 49k here, ~5x these). Each row alone, whatever N.
 
 // The first index of the row's maximum; a NaN counts as the maximum (the first NaN's index), as
 // torch.argmax.
@@ -350,9 +351,10 @@ int64_t argmax_row(const float* x, int64_t n) {
   return best_i;
 }
 
-// log_softmax(x)[chosen] as torch computes it, (x[chosen] - max) - log(sum(exp(x - max))), but
-// for the order of the sum and exp's last bits; NaN when the row holds one.
-float chosen_logprob_row(const float* x, int64_t n, int64_t chosen) {
+// The two terms of log_softmax(x)[t] = (x[t] - max) - log(sum(exp(x - max))) as torch forms it
+// (but for the order of the sum and exp's last bits): (max, log of the sum); both NaN when the
+// row holds a NaN.
+std::pair<float, float> log_softmax_row(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   bool nan = false;
   int64_t i = 0;
@@ -371,7 +373,7 @@ float chosen_logprob_row(const float* x, int64_t n, int64_t chosen) {
     nan |= std::isnan(x[i]);
     m = std::max(m, x[i]);
   }
-  if (nan) return std::numeric_limits<float>::quiet_NaN();
+  if (nan) return {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::quiet_NaN()};
   i = 0;
   float sum = 0.f;
 #ifdef __AVX512F__
@@ -381,7 +383,7 @@ float chosen_logprob_row(const float* x, int64_t n, int64_t chosen) {
   sum = _mm512_reduce_add_ps(acc);
 #endif
   for (; i < n; ++i) sum += std::exp(x[i] - m);
-  return (x[chosen] - m) - std::log(sum);
+  return {m, std::log(sum)};
 }
 
 void check_logits(const at::Tensor& x, const char* what) {
@@ -402,20 +404,16 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-at::Tensor chosen_logprobs(const at::Tensor& logits, const at::Tensor& chosen) {
-  check_logits(logits, "chosen_logprobs");
+std::tuple<at::Tensor, at::Tensor> log_softmax_parts(const at::Tensor& logits) {
+  check_logits(logits, "log_softmax_parts");
   const int64_t rows = logits.size(0), n = logits.size(1);
-  TORCH_CHECK(chosen.scalar_type() == at::kLong && chosen.dim() == 1 && chosen.size(0) == rows && chosen.is_contiguous(),
-              "chosen_logprobs: chosen must be int64 [N]");
-  const int64_t* c = chosen.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(c[r] >= 0 && c[r] < n, "chosen_logprobs: token ", c[r], " out of the vocabulary");
-  at::Tensor out = at::empty({rows}, logits.options());
-  float* o = out.data_ptr<float>();
+  at::Tensor top = at::empty({rows}, logits.options()), log_sum = at::empty({rows}, logits.options());
+  float *t = top.data_ptr<float>(), *l = log_sum.data_ptr<float>();
   const float* x = logits.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) o[r] = chosen_logprob_row(x + r * n, n, c[r]);
+    for (int64_t r = begin; r < end; ++r) std::tie(t[r], l[r]) = log_softmax_row(x + r * n, n);
   });
-  return out;
+  return {top, log_sum};
 }
 
 }  // namespace
@@ -425,7 +423,7 @@ TORCH_LIBRARY(kvpool_fused, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
-  m.def("chosen_logprobs(Tensor logits, Tensor chosen) -> Tensor");
+  m.def("log_softmax_parts(Tensor logits) -> (Tensor, Tensor)");
   m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int heads, int kv_heads) -> (Tensor, Tensor)");
 }
@@ -434,6 +432,6 @@ TORCH_LIBRARY_IMPL(kvpool_fused, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
   m.impl("argmax_rows", argmax_rows);
-  m.impl("chosen_logprobs", chosen_logprobs);
+  m.impl("log_softmax_parts", log_softmax_parts);
   m.impl("rope_write_kv", rope_write_kv);
 }

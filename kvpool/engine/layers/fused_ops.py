@@ -44,16 +44,18 @@ def rope_write_kv(
 
 
 def takes_logits(logits: Tensor) -> bool:
-    """Whether the sampling ops take these logits (contiguous float32 rows on CPU, the kernel built)."""
+    """Whether the sampling ops take these logits (float32 rows on CPU, the kernel built)."""
     return logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2 \
-        and logits.is_contiguous() and logits.shape[1] > 0 and fused_ops_available()
+        and logits.shape[1] > 0 and fused_ops_available()
 
 
 def argmax_rows(logits: Tensor) -> Tensor:
     """torch.argmax(logits, -1): the first maximum's index, a NaN counting as the maximum."""
-    return torch.ops.kvpool_fused.argmax_rows(logits)
+    return torch.ops.kvpool_fused.argmax_rows(logits.contiguous())
 
 
-def chosen_logprobs(logits: Tensor, chosen: Tensor) -> Tensor:
-    """log_softmax(logits, -1) at each row's chosen token, without the [N, V] result."""
-    return torch.ops.kvpool_fused.chosen_logprobs(logits, chosen)
+def log_softmax_at(logits: Tensor, ids: Tensor) -> Tensor:
+    """log_softmax(logits, -1).gather(-1, ids) ([N, k] ids), without the [N, V] result: every
+    token's value from the same two row terms, so a token reads the same alone or in a top-k."""
+    top, log_sum = torch.ops.kvpool_fused.log_softmax_parts(logits.contiguous())
+    return (logits.gather(-1, ids) - top.unsqueeze(1)) - log_sum.unsqueeze(1)
