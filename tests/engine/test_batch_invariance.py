@@ -68,7 +68,8 @@ def _exact_weight(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
 @needs_lanes
 @pytest.mark.skipif(not can_pack_weights("cpu", torch.bfloat16), reason="oneDNN has no bf16 GEMM here")
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("shape", [(960, 288), (576, 768), (3072, 288), (64, 1536)])
+# (48, 96): three strips of 16 outputs, the last paired with itself
+@pytest.mark.parametrize("shape", [(960, 288), (576, 768), (3072, 288), (64, 1536), (48, 96)])
 def test_grouped_kernels_give_the_dense_gemms_bits_at_every_row_count(bits, shape):
     """4-bit / 8-bit rows and the dense oneDNN GEMM are interchangeable: the same bits, with
     the kernel the packer picks on this CPU (the lanes kernels, or the AMX tile kernel)."""
