@@ -41,10 +41,15 @@ inline const std::string& unavailable_reason() {
   return reason;
 }
 
-// All 8 tiles 16 rows x 64 bytes; each thread loads it before its first tile instruction.
-inline void load_tile_config() {
+// All 8 tiles 64 bytes wide, 16 rows; each thread loads it before its first tile instruction.
+// A pass over fewer rows may give tiles 0, 1, 4 (the first row block's C and A tiles in the
+// linear kernels) and 2, 3, 5 (the second's) fewer: their loads then read only those rows.
+inline void load_tile_config(int first_rows = kTileRows, int second_rows = kTileRows) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = kTileRows, cfg.colsb[t] = 64;
+  for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(first_rows);
+  for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(second_rows);
+  asm volatile("" : : "r"(&cfg) : "memory");  // GCC does not see LDTILECFG read cfg: keep the stores
   _tile_loadconfig(&cfg);
 }
 

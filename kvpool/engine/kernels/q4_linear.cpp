@@ -703,7 +703,8 @@ at::Tensor linear_amx_vnni(const at::Tensor& x, const uint8_t* q, const float* s
   const int64_t rows = x.size(0), k = x.size(1), blocks = (rows + kTileRows - 1) / kTileRows, groups = k / kGroup;
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return y;
-  const at::Tensor xc = pad_to_passes(x);
+  // one pass (decode rows): tiles of the rows there are, read in place; else whole blocks
+  const at::Tensor xc = blocks <= 2 ? x.contiguous() : pad_to_passes(x);
   const bf16* xp = xc.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const int64_t strips = n_out / kTileRows, strip_size = kTileRows * k;
@@ -719,9 +720,9 @@ at::Tensor linear_amx_vnni(const at::Tensor& x, const uint8_t* q, const float* s
   // an odd last strip pairs with itself; its second copy is past n_out, not stored
   const auto second = [&](int64_t s0) { return std::min(s0 + 1, strips - 1); };
   at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    load_tile_config();
     alignas(64) float c[4][kTileRows * kTileRows];
     if (blocks <= 2) {  // one pass over each pair: stream its groups through L1
+      load_tile_config(std::min(rows, kTileRows), blocks == 2 ? rows - kTileRows : kTileRows);
       alignas(64) bf16 ring[4 * 2 * kTileRows * kGroup];
       for (int64_t pr = begin; pr < end; ++pr) {
         const int64_t s0 = 2 * pr;
@@ -735,6 +736,7 @@ at::Tensor linear_amx_vnni(const at::Tensor& x, const uint8_t* q, const float* s
       return;
     }
     // Several passes: the pair is dequantized whole (the next one after the first pass).
+    load_tile_config();
     thread_local std::vector<bf16> pairs;
     pairs.resize(4 * strip_size);
     const auto make_pair = [&](int64_t pr, bf16* dst) {
