@@ -46,7 +46,7 @@ LANES_MAX_ROWS_BF16 = 8  # the batch-invariant lanes kernels (their bits equal t
 # (2026-12-05, out of cache in a 32-row decode step: 2.5 ms against oneDNN's 3.5).
 TILES_MAX_ROWS_BF16 = 32
 # ... and Q4_1 groups repacked in the B tiles' order (`q4_vnni_repack`) up to this many rows,
-# the dense copy above: the repacked kernel dequantizes each weight once per 256 rows and reads
+# the dense copy above: the repacked kernel dequantizes each weight once per call and reads
 # 0.75 bytes a weight, the dense copy 2, so it wins where the weights come from memory (decode
 # steps; a prompt after decode steps, which keep the groups, not the copy, in cache) and loses
 # by the dequantization where both are cached (docs/performance.md, 2026-12-05).
