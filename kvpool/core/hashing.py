@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from kvpool.errors import InvalidRequest
 
-BlockHash = bytes
+BlockHash = bytes | int
 _DIGEST = 16
 # A fresh H state: copying an empty one skips the constructor's keyword parsing, a fifth of
 # the cost of hashing one block (the simulator hashes millions).
@@ -27,6 +27,12 @@ new_hash = hashlib.blake2b(digest_size=_DIGEST).copy
 def root_hash(namespace: str = "") -> BlockHash:
     """The parent of every sequence's first block in `namespace`."""
     return hashlib.blake2b(b"kvpool-block-v1\x00" + namespace.encode(), digest_size=_DIGEST).digest()
+
+
+def key_bytes(key: BlockHash) -> bytes:
+    """A key as bytes, to chain or tag: a digest as it is, an interned int (below 2**64) as 16
+    little-endian bytes, which a digest equals only by a 2**-64 chance."""
+    return key if isinstance(key, bytes) else key.to_bytes(_DIGEST, "little")
 
 
 # Whether the host's "q" arrays need a byte swap for the little-endian encoding (checked once,
@@ -70,12 +76,11 @@ def hash_blocks(
     """Hashes of every *full* block of `tokens` (at most `limit` blocks in all), from block
     `start_block` on.
 
-    `parent` is the hash of block `start_block - 1` (None means the root of `namespace`),
+    `parent` is the key of block `start_block - 1` (None means the root of `namespace`),
     which lets a caller extend a sequence's hashes without rehashing its prefix. The salt
     enters block 0 only.
     """
-    if parent is None:
-        parent = root_hash(namespace)
+    parent = root_hash(namespace) if parent is None else key_bytes(parent)
     end = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
     if end <= start_block:
         return []

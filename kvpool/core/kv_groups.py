@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvpool.core.block_pool import BlockPool
-from kvpool.core.hashing import BlockHash
+from kvpool.core.hashing import BlockHash, key_bytes
 
 NO_BLOCK = -1  # a table entry whose block a window group freed (never read: outside every window)
 GROUP_TAG_BYTES = 2  # a group g > 0 key is its chained hash + g in these many bytes
@@ -31,7 +31,7 @@ Held = Callable[[Sequence[BlockHash]], int]
 
 def group_key(block_hash: BlockHash, group: int) -> BlockHash:
     """The identity of layer group `group`'s block at `block_hash` (group 0: the hash itself)."""
-    return block_hash + group.to_bytes(GROUP_TAG_BYTES, "little") if group else block_hash
+    return key_bytes(block_hash) + group.to_bytes(GROUP_TAG_BYTES, "little") if group else block_hash
 
 
 class FullAttentionGroup:
@@ -48,7 +48,7 @@ class FullAttentionGroup:
     def keys(self, hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
         """This group's identities of the blocks named `hashes` (store keys, events)."""
         tag = self.tag
-        return [h + tag for h in hashes] if tag else hashes
+        return [key_bytes(h) + tag for h in hashes] if tag else hashes
 
     def first_needed(self, k: int) -> int:
         """The first block a query at a hit of `k` blocks reads."""

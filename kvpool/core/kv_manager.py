@@ -117,8 +117,8 @@ class KVCacheManager:
         lookup = pool.lookup
         tables = []
         for g in self.groups:
-            first, tag = g.first_needed(k), g.tag
-            ids = [lookup(h + tag) for h in hashes[first:k]]
+            first = g.first_needed(k)
+            ids = list(map(lookup, g.keys(hashes[first:k])))
             tables.append((NO_BLOCK,) * first + tuple(ids))  # type: ignore[arg-type]
         live = [b for t in tables for b in t if b != NO_BLOCK]
         return PrefixHit(tuple(tables), k * self.block_size, pool.count_idle(live))

@@ -37,7 +37,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.core.hashing import BlockHash, hash_blocks, root_hash
+from kvpool.core.hashing import BlockHash, hash_blocks, key_bytes, root_hash
 
 DEVICE = "device"
 FIRST_SEEN = "first_seen"
@@ -73,6 +73,7 @@ class RecentHashes:
 
     def _positions(self, h: BlockHash) -> list[int]:
         width, mask = self._width, self.bits - 1
+        h = key_bytes(h)
         if len(h) * 8 < width * self.probes:
             h = hashlib.blake2b(h, digest_size=16).digest()
         x = int.from_bytes(h, "little")

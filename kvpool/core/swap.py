@@ -98,8 +98,8 @@ def swap_in(seqs: Sequence[SeqBlocks], unique: int, pool: BlockPool, host: HostB
                     pool.add_tokens(db, min(B, seq.num_tokens - i * B))
                 host.decref(hb)
             t[d:] = [mapping[hb] for hb in t[d:]]
-            tag = g.tag
-            for i in range(d, seq.num_registered):
-                pool.register(t[i], seq.hashes[i] + tag, seq.cache_salt)
+            keys = g.keys(seq.hashes[d : seq.num_registered])
+            for i, key in enumerate(keys, d):
+                pool.register(t[i], key, seq.cache_salt)
         seq.on_host = False
     return list(mapping.items())

@@ -112,7 +112,7 @@ class SimCluster:
         self.config = config
         self.cost_model = cost_model
         sc = config.scheduler
-        self.hasher = BlockHasher(sc.block_size, TokenSynth(), sc.namespace)
+        self.hasher = BlockHasher(sc.block_size, TokenSynth())
         events = replace(sc, record_kv_events=True)
         self.prefill = {f"p{i}": SimInstance(f"p{i}", events, cost_model, self.hasher)
                         for i in range(config.num_prefill)}

@@ -94,7 +94,7 @@ class SimInstance:
         self.store = store
         self.reads = StoreReads(store, self.sched, cost_model) if store is not None else None
         self.cost_model = cost_model
-        self.hasher = hasher or BlockHasher(config.block_size, TokenSynth(), config.namespace)
+        self.hasher = hasher or BlockHasher(config.block_size, TokenSynth())
         self.metrics: dict[str, RequestMetrics] = {}
         self.counters = InstanceCounters()
         self._markers = itertools.count(_MARKER_BASE)

@@ -1,24 +1,30 @@
-"""Deterministic synthetic token ids and fast chained block hashes for simulated prompts.
+"""Deterministic synthetic token ids and chunk-addressed block keys for simulated prompts.
 
 A simulated prompt is a tuple of content-addressed chunks `(chunk_id, length)`: a chunk's
 tokens depend only on its id (and the seed), the first `length` of a fixed stream, so equal
 ids give equal tokens and therefore equal chained block hashes in the real KV manager.
 Mooncake trace hash ids map to chunks directly; synthetic workloads allocate their own ids.
 
-Hashing a whole trace from Python lists is too slow (~145M tokens), so `BlockHasher` feeds the
-tokens' byte encoding straight to the core's chained-hash loop (`chain_hashes`) and memoizes
-per (parent hash, carried-over tokens, chunk): a prefix shared by many requests is hashed once.
-Its output equals `kvpool.core.hashing.hash_blocks` on the materialized tokens (tested).
+`BlockHasher` names every full block of such a prompt without hashing its tokens (BLAKE2b over
+a whole trace's 5.9M distinct blocks was a tenth of a run): a block's key is an int interned for
+its parent's key, the tokens carried over from earlier chunks, its chunk and its place in the
+chunk, which fix its tokens and every token before them, as its chained hash does. So two blocks
+share a key exactly when their chained hashes over the materialized tokens are equal, but for
+whole blocks of random tokens repeating by chance (tested). Keys come from one counter: a
+prompt's new blocks get consecutive ints, whose slots in the block pool's and the conductor's
+hash tables are neighbours, and two hashers never hand out the same key (mixing their keys can
+miss a share, never invent one).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from itertools import count, islice
 
 import numpy as np
 
-from kvpool.core.hashing import BlockHash, chain_hashes, root_hash
+from kvpool.core.hashing import BlockHash
 from kvpool.errors import ConfigError
 
 Chunks = tuple[tuple[int, int], ...]
@@ -52,38 +58,40 @@ class TokenSynth:
         return np.concatenate(parts).tolist() if parts else []
 
 
-class BlockHasher:
-    """Chained block hashes of chunked prompts at `block_size`, memoized across requests.
+_KEYS = count(1)  # every hasher's block keys
 
-    Memory grows with the distinct (prefix, chunk) pairs seen; drop the hasher to release it.
+
+class BlockHasher:
+    """Keys of every full block of chunked prompts at `block_size` (`kvpool.core.hashing`'s
+    `BlockHash`, as ints), shared by all the prompts one hasher names.
+
+    Memory grows with the distinct blocks named; drop the hasher to release it.
     """
 
-    def __init__(self, block_size: int, synth: TokenSynth, namespace: str = "") -> None:
+    def __init__(self, block_size: int, synth: TokenSynth) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size={block_size} must be >= 1")
         self.block_size, self.synth = block_size, synth
-        self._root = root_hash(namespace)
-        self._bytes_per_block = 8 * block_size
-        self._memo: dict[tuple[BlockHash, bytes, int, int], tuple[list[BlockHash], BlockHash, bytes]] = {}
+        # (parent key, carried-over token bytes, chunk id) -> the keys of that chunk's blocks so far
+        self._runs: dict[tuple[int | None, bytes, int], list[int]] = {}
 
     def hashes(self, chunks: Chunks) -> list[BlockHash]:
-        """Hashes of every full block of the prompt `chunks` describes."""
-        parent, pending = self._root, b""
+        """Keys of every full block of the prompt `chunks` describes."""
+        B, runs = self.block_size, self._runs
+        parent: int | None = None  # the first block's
+        pending = b""
         out: list[BlockHash] = []
         for cid, length in chunks:
-            key = (parent, pending, cid, length)
-            hit = self._memo.get(key)
-            if hit is None:
-                hit = self._hash_chunk(parent, pending + self.synth.chunk_array(cid, length).tobytes())
-                self._memo[key] = hit
-            out.extend(hit[0])
-            parent, pending = hit[1], hit[2]
+            run = runs.setdefault((parent, pending, cid), [])
+            tokens = len(pending) // 8 + length
+            full = tokens // B
+            if len(run) < full:
+                run += islice(_KEYS, full - len(run))
+            if full:
+                out += run[:full]
+                parent = run[full - 1]
+            if tokens % B:  # the partial block's tokens carry over into the next chunk's first block
+                pending = (pending + self.synth.chunk_array(cid, length).tobytes())[full * B * 8 :]
+            else:
+                pending = b""
         return out
-
-    def _hash_chunk(self, parent: BlockHash, data: bytes) -> tuple[list[BlockHash], BlockHash, bytes]:
-        hashes = chain_hashes(parent, data, self.block_size)
-        return hashes, hashes[-1] if hashes else parent, data[len(hashes) * self._bytes_per_block :]
-
-    @property
-    def memo_entries(self) -> int:
-        return len(self._memo)

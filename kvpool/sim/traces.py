@@ -105,10 +105,9 @@ def load_mooncake_trace(name_or_path: str | Path, options: TraceOptions | None =
 def block_hashes_for(
     requests: Sequence[SimRequest],
     block_size: int,
-    namespace: str = "",
     synth: TokenSynth | None = None,
 ) -> list[list[BlockHash]]:
-    """Chained hashes of every full prompt block of each request, equal to what the KV manager
-    computes from `TokenSynth.tokens(request.chunks)`; shared prefixes are hashed once."""
-    hasher = BlockHasher(block_size, synth or TokenSynth(), namespace)
+    """Keys of every full prompt block of each request, from one `BlockHasher`: blocks share a
+    key exactly when the KV manager's chained hashes of `TokenSynth.tokens(request.chunks)` agree."""
+    hasher = BlockHasher(block_size, synth or TokenSynth())
     return [hasher.hashes(r.chunks) for r in requests]

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 from kv_shadow_machine import B, KVShadowMachine
 
+from kvpool.core.hashing import hash_blocks
 from kvpool.core.kv_groups import NO_BLOCK, group_key
 from kvpool.core.kv_manager import KVCacheManager
 from kvpool.errors import OutOfBlocks
@@ -150,3 +151,21 @@ def test_one_groups_allocation_never_evicts_another_groups_hit_block():
     last = m.kv.block_tables(m.next_id - 1)
     assert not set(last[0]) & set(last[1])
     m.teardown()
+
+
+def test_interned_int_keys_serve_as_digests_in_every_group():
+    """A driver may name prompt blocks by interned ints (the simulator, sim/tokens.py): each group
+    registers them under its own key, a prompt with the same keys hits them, and the blocks filled
+    after them chain on from the int as from a digest."""
+    kv = KVCacheManager(32, 4, group_windows=(None, 6), record_events=True)
+    toks = list(range(10))
+    kv.allocate(0, toks, block_hashes=[101, 102])
+    kv.append_slots(0, 2)
+    kv.commit(0, toks + [10, 11], 12)
+    third = hash_blocks(list(range(12)), 4, parent=(102).to_bytes(16, "little"), start_block=2)
+    assert kv.seq(0).hashes == [101, 102, *third]
+    stored = kv.drain_events().stored
+    assert stored == [101, 102, third[0], *(group_key(h, 1) for h in (101, 102, third[0]))]
+    assert len(set(stored)) == 6
+    kv.free(0)
+    assert kv.allocate(1, list(range(12)), block_hashes=[101, 102]) == 8

@@ -57,7 +57,8 @@ def test_equal_recorded_hashes_are_equal_prefixes_in_the_simulator(tmp_path: Pat
     reqs = replay_requests(records)
     assert [r.arrival_s for r in reqs] == [0.0, 0.5, 1.0]
     assert [r.prompt_len for r in reqs] == [14, 12, 4] and sum(n for _, n in reqs[0].chunks) == 14
-    hashes = [BlockHasher(4, TokenSynth()).hashes(r.chunks) for r in reqs]
+    hasher = BlockHasher(4, TokenSynth())
+    hashes = [hasher.hashes(r.chunks) for r in reqs]
     assert hashes[0][:2] == hashes[1][:2] and hashes[0][2] != hashes[1][2]
     assert not set(hashes[2]) & set(hashes[0] + hashes[1])
     run_summary, _ = replay(records, SchedulerConfig(num_blocks=64, block_size=4), _FixedCost())

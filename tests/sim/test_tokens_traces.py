@@ -9,19 +9,32 @@ from kvpool.errors import ConfigError
 from kvpool.sim.tokens import BlockHasher, TokenSynth
 from kvpool.sim.traces import TraceOptions, block_hashes_for, load_mooncake_trace, trace_path
 
-chunk_lists = st.lists(st.tuples(st.integers(0, 50), st.integers(1, 90)), min_size=1, max_size=6)
+# few chunk ids, so prompts share prefixes, shorter and longer runs of one chunk, carried-over tokens
+chunk_lists = st.lists(st.tuples(st.integers(0, 5), st.integers(1, 90)), min_size=1, max_size=6)
 
 
-@settings(max_examples=60, deadline=None)
-@given(chunk_lists, st.sampled_from([1, 3, 16, 64]), st.sampled_from([100, 32000, 128256]))
-def test_fast_block_hashes_equal_hash_blocks_on_materialized_tokens(chunks, block_size, vocab):
+def _pattern(keys: list) -> list[int]:
+    """Each key as the index of its first occurrence: which positions are equal to which."""
+    first: dict = {}
+    return [first.setdefault(k, i) for i, k in enumerate(keys)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(chunk_lists, min_size=2, max_size=5), st.sampled_from([2, 3, 16, 64]), st.sampled_from([32000, 128256]))
+def test_block_keys_are_equal_exactly_where_chained_hashes_of_the_tokens_are(prompts, block_size, vocab):
     synth = TokenSynth(seed=5, vocab_size=vocab)
-    hasher = BlockHasher(block_size, synth, namespace="m")
-    tokens = synth.tokens(chunks)
-    assert all(0 <= t < vocab for t in tokens)
-    expected = hash_blocks(tokens, block_size, namespace="m")
-    assert hasher.hashes(tuple(chunks)) == expected
-    assert hasher.hashes(tuple(chunks)) == expected  # memoized path agrees
+    hasher = BlockHasher(block_size, synth)
+    keys = [hasher.hashes(tuple(chunks)) for chunks in prompts]
+    digests = [hash_blocks(synth.tokens(chunks), block_size, namespace="m") for chunks in prompts]
+    assert [len(k) for k in keys] == [len(d) for d in digests]
+    assert _pattern([k for ks in keys for k in ks]) == _pattern([d for ds in digests for d in ds])
+    assert [hasher.hashes(tuple(chunks)) for chunks in prompts] == keys  # named again: the same keys
+
+
+def test_two_hashers_never_share_a_key():
+    chunks = ((1, 64), (2, 40))
+    first, second = (BlockHasher(16, TokenSynth()).hashes(chunks) for _ in range(2))
+    assert len(first) == 6 and not set(first) & set(second)
 
 
 def test_shorter_chunk_is_prefix_of_longer_chunk_with_same_id():
@@ -75,10 +88,11 @@ def test_a_repeated_trace_runs_its_copies_in_a_row_sharing_no_block():
     assert [r.arrival_s for r in second] == pytest.approx([r.arrival_s + period for r in once])
     assert [(r.prompt_len, r.output_len) for r in second] == [(r.prompt_len, r.output_len) for r in once]
     assert len({r.request_id for r in twice}) == 80
-    first_blocks = {h for hs in block_hashes_for(once, 16) for h in hs}
-    again = block_hashes_for(second, 16)
-    assert not first_blocks & {h for hs in again for h in hs}
-    assert [len(hs) for hs in again] == [len(hs) for hs in block_hashes_for(once, 16)]
+    keys = block_hashes_for(twice, 16)  # one hasher: equal blocks would share keys
+    first_blocks = {h for hs in keys[:40] for h in hs}
+    again = keys[40:]
+    assert len(first_blocks) > 40 and not first_blocks & {h for hs in again for h in hs}
+    assert [len(hs) for hs in again] == [len(hs) for hs in keys[:40]]
     with pytest.raises(ConfigError, match="repeat=0"):
         TraceOptions(repeat=0)
 

@@ -55,7 +55,7 @@ def load_run(tier: str | None, bandwidth: float | None, plan: bool, layerwise: b
     cfg = SchedulerConfig(num_blocks=4096, block_size=BLOCK, max_num_batched_tokens=8192, max_model_len=8192,
                           namespace=MODEL)  # one forward per prompt: the planner prices one
     reqs = workload(n)
-    hasher = BlockHasher(BLOCK, TokenSynth(), MODEL)
+    hasher = BlockHasher(BLOCK, TokenSynth())
     store = None
     if tier is not None:
         store = SimStore(KVCacheManager(2 * n * DOC // BLOCK, BLOCK), tier, plan, layerwise)  # room for all
