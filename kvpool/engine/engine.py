@@ -34,6 +34,7 @@ from kvpool.engine.config import (
     resolve_kv_dtype,
 )
 from kvpool.engine.controls import Controls
+from kvpool.engine.host_memory import keep_freed_memory
 from kvpool.engine.input_processor import EngineRequest, InputLimits, InputProcessor
 from kvpool.engine.kv_io import KVStoreConnector
 from kvpool.engine.kv_quant import QUANTIZED, bytes_per_token, row_width, storage_dtype
@@ -67,6 +68,8 @@ class Engine:
         self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device,
                                            quantization=config.quantization,
                                            reserve_bytes=fixed_kv_bytes(config.kv_cache_memory))
+        if self.device.type == "cpu":  # after the load: its freed temporaries are returned as before
+            keep_freed_memory()
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
