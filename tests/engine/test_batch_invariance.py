@@ -22,6 +22,7 @@ from kvpool.engine.layers.linear import (
     Q4Linear,
     Q4TileLinear,
     Q8Linear,
+    Q8TileLinear,
     TileLinear,
     can_pack_weights,
     row_bucket,
@@ -79,8 +80,9 @@ def test_grouped_kernels_give_the_dense_gemms_bits_at_every_row_count(bits, shap
     vector_rows, max_rows = row_limits(True, invariant=True)
     served = tile_groups(dense, groups) if vector_rows == 0 else lanes_groups(dense, groups)
     assert served is not None
-    if vector_rows == 0 and bits == 4:  # AMX: the groups repacked in the B tiles' order
-        lin = Q4TileLinear(dense, served, None, VNNI_MAX_ROWS_BF16)
+    if vector_rows == 0:  # AMX: the groups repacked in the B tiles' order
+        lin = (Q4TileLinear(dense, served, None, VNNI_MAX_ROWS_BF16) if bits == 4
+               else Q8TileLinear(dense, served, None, max_rows))
     else:
         lin = (Q4Linear if bits == 4 else Q8Linear)(dense, served, None, max_rows, vector_rows)
     x = torch.randn(600, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()

@@ -18,7 +18,7 @@ from kvpool.bench.kv_accuracy import PROMPTS, _generate, _row, _teacher_forced
 from kvpool.engine import loader
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
-from kvpool.engine.layers.linear import Q4Linear, Q4TileLinear, Q8Linear
+from kvpool.engine.layers.linear import Q4Linear, Q4TileLinear, Q8Linear, Q8TileLinear
 from kvpool.engine.models.quantize_on_load import q4_quantize, q8_quantize
 from kvpool.engine.models.quantized import GROUP
 
@@ -67,7 +67,9 @@ def _served(engine: Engine) -> tuple[int, int, bool]:
     """(projections on 4-bit groups, on 8-bit groups, whether the head is on 8-bit groups)."""
     model = engine.runner.model
     kinds = [type(m) for m in model.modules()]
-    return kinds.count(Q4Linear) + kinds.count(Q4TileLinear), kinds.count(Q8Linear), type(model.head) is Q8Linear
+    eight = (Q8Linear, Q8TileLinear)
+    return (kinds.count(Q4Linear) + kinds.count(Q4TileLinear), sum(map(kinds.count, eight)),
+            type(model.head) in eight)
 
 
 @cache

@@ -638,42 +638,68 @@ at::Tensor linear_amx_packed(const PackedStrips& f, const at::Tensor& x, int64_t
 // bytes a weight where the dense copy reads 2, so a step whose bf16 copy is out of cache (a
 // prefill after decode steps, which read the groups) or a decode step of 16-32 rows gains.
 
-// One group of one strip: a B tile (1 KB) at dst.
-inline void dequant_vnni_group(const uint8_t* vq, const float* vs, const float* vm, bf16* dst) {
+// A tile row's words 0-15 are outputs 0-7 (a pair of K each), 16-31 outputs 8-15: each
+// output's scale (or min) on its two lanes.
+inline void per_lane(const float* v, __m512& lo, __m512& hi) {
   const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-  const __m128i low4 = _mm_set1_epi8(15);
-  const __m512 d = _mm512_loadu_ps(vs), m = _mm512_loadu_ps(vm);
-  const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
-  const __m512 mlo = _mm512_permutexvar_ps(lo_idx, m), mhi = _mm512_permutexvar_ps(hi_idx, m);
-  for (int p = 0; p < kTileRows; ++p) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vq + p * 16));
-    const __m512 qlo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
-    const __m512 qhi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
-    const __m512 wlo = _mm512_add_ps(_mm512_mul_ps(qlo, dlo), mlo);  // multiply, then add: as group16
-    const __m512 whi = _mm512_add_ps(_mm512_mul_ps(qhi, dhi), mhi);
-    const __m512bh w = _mm512_cvtne2ps_pbh(whi, wlo);  // words 0-15: outputs 0-7, 16-31: outputs 8-15
-    _mm512_storeu_si512(dst + p * 2 * kTileRows, reinterpret_cast<const __m512i&>(w));
-  }
+  const __m512 x = _mm512_loadu_ps(v);
+  lo = _mm512_permutexvar_ps(lo_idx, x);
+  hi = _mm512_permutexvar_ps(_mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)), x);
 }
 
-struct VnniStrip {
+// One group of one strip of Q4_1 weights: a B tile (1 KB) at dst.
+struct Q4Group {
   const uint8_t* q;
   const float* scale;
   const float* mins;
-  VnniStrip group(int64_t g) const { return {q + g * 256, scale + g * kTileRows, mins + g * kTileRows}; }
+  static constexpr int64_t kBytes = 256;  // a group's weights in one strip
+  Q4Group group(int64_t g) const { return {q + g * kBytes, scale + g * kTileRows, mins + g * kTileRows}; }
+  void dequant(bf16* dst) const {
+    const __m128i low4 = _mm_set1_epi8(15);
+    __m512 dlo, dhi, mlo, mhi;
+    per_lane(scale, dlo, dhi);
+    per_lane(mins, mlo, mhi);
+    for (int p = 0; p < kTileRows; ++p) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + p * 16));
+      const __m512 qlo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+      const __m512 qhi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+      const __m512 wlo = _mm512_add_ps(_mm512_mul_ps(qlo, dlo), mlo);  // multiply, then add: as group16
+      const __m512 whi = _mm512_add_ps(_mm512_mul_ps(qhi, dhi), mhi);
+      const __m512bh w = _mm512_cvtne2ps_pbh(whi, wlo);
+      _mm512_storeu_si512(dst + p * 2 * kTileRows, reinterpret_cast<const __m512i&>(w));
+    }
+  }
+};
+
+// The same for Q8_0 weights: a tile row's 32 int8 levels in the words' order, times the scale
+// (exact in float32: an fp16 scale times a 7-bit level), rounded to bf16 once as the dense copy was.
+struct Q8Group {
+  const int8_t* q;
+  const float* scale;
+  static constexpr int64_t kBytes = 512;
+  Q8Group group(int64_t g) const { return {q + g * kBytes, scale + g * kTileRows}; }
+  void dequant(bf16* dst) const {
+    __m512 dlo, dhi;
+    per_lane(scale, dlo, dhi);
+    for (int p = 0; p < kTileRows; ++p) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 32));
+      const __m512 qlo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+      const __m512 qhi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_mul_ps(qhi, dhi), _mm512_mul_ps(qlo, dlo));
+      _mm512_storeu_si512(dst + p * 2 * kTileRows, reinterpret_cast<const __m512i&>(w));
+    }
+  }
 };
 
 // Up to two row blocks in one pass (C0 = x1.a, C1 = x1.b, C2 = x2.a, C3 = x2.b, as tile_pass):
 // each group of both strips is dequantized one group ahead into a ring of four in L1.
-template <int B>
-void stream_pair(const bf16* x, int64_t k, VnniStrip a, VnniStrip b, bf16* ring) {
+template <int B, class Strip>
+void stream_pair(const bf16* x, int64_t k, Strip a, Strip b, bf16* ring) {
   const int64_t groups = k / kGroup, lda = k * sizeof(bf16);
   const auto make = [&](int64_t g) {
     bf16* slot = ring + (g & 3) * 2 * kTileRows * kGroup;
-    const VnniStrip ga = a.group(g), gb = b.group(g);
-    dequant_vnni_group(ga.q, ga.scale, ga.mins, slot);
-    dequant_vnni_group(gb.q, gb.scale, gb.mins, slot + kTileRows * kGroup);
+    a.group(g).dequant(slot);
+    b.group(g).dequant(slot + kTileRows * kGroup);
   };
   _tile_zero(0);
   _tile_zero(1);
@@ -698,7 +724,9 @@ void stream_pair(const bf16* x, int64_t k, VnniStrip a, VnniStrip b, bf16* ring)
   }
 }
 
-at::Tensor linear_amx_vnni(const at::Tensor& x, const uint8_t* q, const float* scale, const float* mins, int64_t n_out) {
+// strip_at(s): strip s's first group (a Q4Group or Q8Group).
+template <class StripAt>
+at::Tensor linear_amx_vnni(const at::Tensor& x, const StripAt& strip_at, int64_t n_out) {
   TORCH_CHECK(amx_unavailable_reason().empty(), "AMX kernel unavailable: ", amx_unavailable_reason());
   const int64_t rows = x.size(0), k = x.size(1), blocks = (rows + kTileRows - 1) / kTileRows, groups = k / kGroup;
   at::Tensor y = at::empty({rows, n_out}, x.options());
@@ -708,14 +736,8 @@ at::Tensor linear_amx_vnni(const at::Tensor& x, const uint8_t* q, const float* s
   const bf16* xp = xc.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const int64_t strips = n_out / kTileRows, strip_size = kTileRows * k;
-  const auto strip_at = [&](int64_t s) {
-    return VnniStrip{q + s * groups * 256, scale + s * groups * kTileRows, mins + s * groups * kTileRows};
-  };
   const auto make_strip = [&](int64_t s, bf16* dst) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const VnniStrip gs = strip_at(s).group(g);
-      dequant_vnni_group(gs.q, gs.scale, gs.mins, dst + g * kTileRows * kGroup);
-    }
+    for (int64_t g = 0; g < groups; ++g) strip_at(s).group(g).dequant(dst + g * kTileRows * kGroup);
   };
   // an odd last strip pairs with itself; its second copy is past n_out, not stored
   const auto second = [&](int64_t s0) { return std::min(s0 + 1, strips - 1); };
@@ -766,7 +788,20 @@ const std::string& amx_unavailable_reason() {
   return reason;
 }
 
-at::Tensor linear_amx_vnni(const at::Tensor&, const uint8_t*, const float*, const float*, int64_t) {
+struct Q4Group {
+  const uint8_t* q;
+  const float* scale;
+  const float* mins;
+  static constexpr int64_t kBytes = 256;
+};
+struct Q8Group {
+  const int8_t* q;
+  const float* scale;
+  static constexpr int64_t kBytes = 512;
+};
+
+template <class StripAt>
+at::Tensor linear_amx_vnni(const at::Tensor&, const StripAt&, int64_t) {
   TORCH_CHECK(false, "AMX kernel unavailable: ", amx_unavailable_reason());
 }
 
@@ -835,7 +870,32 @@ at::Tensor q4_vnni_linear_amx(const at::Tensor& x, const at::Tensor& vq, const a
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == strips &&
                     t->size(1) == groups && t->size(2) == 16,
                 "q4_vnni_linear_amx: vs and vm must be contiguous float32 [N/16, K/32, 16]");
-  return linear_amx_vnni(x, vq.data_ptr<uint8_t>(), vs.data_ptr<float>(), vm.data_ptr<float>(), strips * 16);
+  const uint8_t* q = vq.data_ptr<uint8_t>();
+  const float *scale = vs.data_ptr<float>(), *mins = vm.data_ptr<float>();
+  return linear_amx_vnni(x, [&](int64_t s) {
+    const int64_t at = s * groups;
+    return Q4Group{q + at * Q4Group::kBytes, scale + at * 16, mins + at * 16};
+  }, strips * 16);
+}
+
+// y = x . W^T for Q8_0 groups repacked in the B tiles' order (quantized.py: q8_vnni_repack):
+// vq [N/16, K/32, 16, 32] int8, vs [N/16, K/32, 16] float32.
+at::Tensor q8_vnni_linear_amx(const at::Tensor& x, const at::Tensor& vq, const at::Tensor& vs) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % kGroup == 0,
+              "q8_vnni_linear_amx: x must be bfloat16 [M, K], K a multiple of 32");
+  const int64_t strips = vq.size(0), groups = x.size(1) / kGroup;
+  TORCH_CHECK(vq.scalar_type() == at::kChar && vq.is_contiguous() && vq.dim() == 4 && vq.size(1) == groups &&
+                  vq.size(2) == 16 && vq.size(3) == 32,
+              "q8_vnni_linear_amx: vq must be contiguous int8 [N/16, K/32, 16, 32]");
+  TORCH_CHECK(vs.scalar_type() == at::kFloat && vs.is_contiguous() && vs.dim() == 3 && vs.size(0) == strips &&
+                  vs.size(1) == groups && vs.size(2) == 16,
+              "q8_vnni_linear_amx: vs must be contiguous float32 [N/16, K/32, 16]");
+  const int8_t* q = vq.data_ptr<int8_t>();
+  const float* scale = vs.data_ptr<float>();
+  return linear_amx_vnni(x, [&](int64_t s) {
+    const int64_t at = s * groups;
+    return Q8Group{q + at * Q8Group::kBytes, scale + at * 16};
+  }, strips * 16);
 }
 
 at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
@@ -853,6 +913,7 @@ TORCH_LIBRARY(kvpool, m) {
   m.def("q8_linear_amx(Tensor x, Tensor qs, Tensor scale) -> Tensor");
   m.def("bf16_linear_amx(Tensor x, Tensor strips, int n_out) -> Tensor");
   m.def("q4_vnni_linear_amx(Tensor x, Tensor vq, Tensor vs, Tensor vm) -> Tensor");
+  m.def("q8_vnni_linear_amx(Tensor x, Tensor vq, Tensor vs) -> Tensor");
   m.def("amx_unavailable() -> str", amx_unavailable);
   m.def("lanes_available(bool float32=False) -> bool", lanes_available);
   m.def("q4_repack(Tensor qs, Tensor scale, Tensor mins, int kblock, bool float32=False) -> Tensor[]");
@@ -865,6 +926,7 @@ TORCH_LIBRARY_IMPL(kvpool, CPU, m) {
   m.impl("q8_linear_amx", q8_linear_amx);
   m.impl("bf16_linear_amx", bf16_linear_amx);
   m.impl("q4_vnni_linear_amx", q4_vnni_linear_amx);
+  m.impl("q8_vnni_linear_amx", q8_vnni_linear_amx);
   m.impl("q4_repack", q4_repack);
   m.impl("q8_repack", q8_repack);
 }

@@ -284,3 +284,14 @@ class Q8Linear(Q4Linear):
 
     def tile_kernel(self, x: Tensor) -> Tensor:
         return torch.ops.kvpool.q8_linear_amx(x, *self.groups)
+
+
+class Q8TileLinear(Q8Linear):
+    """Q8_0 groups repacked in the AMX B tiles' order (`models/quantized.q8_vnni_repack`), as
+    `Q4TileLinear` does Q4_1 ones: the dense `TileLinear`'s bits from 1 byte a weight."""
+
+    def __init__(self, dense: nn.Module, groups: tuple[Tensor, ...], bias: Tensor | None, max_rows: int) -> None:
+        super().__init__(dense, groups, bias, max_rows, vector_rows=0)
+
+    def tile_kernel(self, x: Tensor) -> Tensor:
+        return torch.ops.kvpool.q8_vnni_linear_amx(x, *self.groups)

@@ -8,7 +8,8 @@ bfloat16. Batch-invariant (the default, see `kernels.batch_invariant`): groups s
 their kernel gives the dense GEMM's bits (the lanes kernels, `lanes_groups`, or on AMX CPUs the
 tile kernel, `tile_groups`), so the row count never changes a row; on AMX CPUs in bf16 the dense
 copies are `TileLinear`s too (oneDNN's order depends on the row count there), and Q4_1 groups,
-repacked in the tiles' order, serve steps of up to `VNNI_MAX_ROWS_BF16` rows (`Q4TileLinear`).
+repacked in the tiles' order, serve steps of up to `VNNI_MAX_ROWS_BF16` rows (`Q4TileLinear`),
+Q8_0 ones (the LM head) up to `TILES_MAX_ROWS_BF16` (`Q8TileLinear`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ from kvpool.engine.layers.linear import (
     Q4Linear,
     Q4TileLinear,
     Q8Linear,
+    Q8TileLinear,
     TileLinear,
     can_pack_weights,
 )
-from kvpool.engine.models.quantized import VNNI_MAX_ROWS_BF16, lanes_groups, row_limits, tile_groups
+from kvpool.engine.models.quantized import (
+    TILES_MAX_ROWS_BF16,
+    VNNI_MAX_ROWS_BF16,
+    lanes_groups,
+    row_limits,
+    tile_groups,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +74,9 @@ class LinearPacker:
         groups = self._exact(name, dense, (3, 2))
         if groups is None:
             return dense
-        if self.tiles and len(groups) == 3:  # repacked by tile_groups
-            layer: Q4Linear = Q4TileLinear(dense, groups, dense.bias, VNNI_MAX_ROWS_BF16)
+        if self.tiles:  # repacked by tile_groups
+            layer: Q4Linear = (Q4TileLinear(dense, groups, dense.bias, VNNI_MAX_ROWS_BF16) if len(groups) == 3
+                               else Q8TileLinear(dense, groups, dense.bias, TILES_MAX_ROWS_BF16))
         else:
             kind = Q4Linear if len(groups) == 3 else Q8Linear
             layer = kind(dense, groups, dense.bias, self.max_rows, self.vector_rows)
@@ -80,6 +89,8 @@ class LinearPacker:
         groups = self._exact(name, dense, (2,))
         if groups is None:
             return dense
+        if self.tiles:  # repacked by tile_groups
+            return Q8TileLinear(dense, groups, None, TILES_MAX_ROWS_BF16)
         vector, most = row_limits(self.bf16, head=True, invariant=self.invariant)
         return Q8Linear(dense, groups, None, most, vector) if most else dense
 

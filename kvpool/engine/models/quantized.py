@@ -43,7 +43,10 @@ LANES_MAX_ROWS_BF16 = 8  # the batch-invariant lanes kernels (their bits equal t
 # up to 32 rows (30 layers of the bundled model's projections, 2 threads: 9.3 ms at 1 row vs
 # oneDNN's 15.8) and the dense copy, on the same kernel (`TileLinear`), larger batches (0.29 vs
 # 0.45 ms a layer at 64 rows, 1.8 vs 2.2 at 512). The LM head's dense copy is a `TileLinear` too
-# (2026-12-05, out of cache in a 32-row decode step: 2.5 ms against oneDNN's 3.5).
+# (2026-12-05, out of cache in a 32-row decode step: 2.5 ms against oneDNN's 3.5). Its Q8_0
+# groups, repacked in the tiles' order (`q8_vnni_repack`), serve steps of up to 32 rows: 28 MB
+# read instead of 56 (2 threads, out of cache: 1.96 vs 2.17 ms at 1 row, 2.17 vs 2.62 at 32);
+# above, the whole-strip dequantization loses (3.8 vs 3.1 ms at 33 rows).
 TILES_MAX_ROWS_BF16 = 32
 # ... and Q4_1 groups repacked in the B tiles' order (`q4_vnni_repack`) up to this many rows,
 # the dense copy above: the repacked kernel dequantizes each weight once per call and reads
@@ -66,7 +69,7 @@ def row_limits(bf16: bool, head: bool = False, invariant: bool = False) -> tuple
     invariant: the lanes kernels, or on AMX CPUs the AMX kernel alone (see TILES_MAX_ROWS_BF16)."""
     if invariant:
         if bf16 and q4_amx_available():
-            return (0, 0) if head else (0, TILES_MAX_ROWS_BF16)
+            return 0, TILES_MAX_ROWS_BF16
         if bf16:
             rows = LANES_HEAD_MAX_ROWS_BF16 if head else LANES_MAX_ROWS_BF16
         else:
@@ -213,17 +216,16 @@ def tile_groups(dense: nn.Module, groups: tuple[Tensor, ...]) -> tuple[Tensor, .
     """The groups for the AMX tile kernels where their results on bf16 rows equal `dense`'s (the
     batch-invariant oneDNN GEMM or `TileLinear`) bit for bit on probe rows, else None (the
     projection stays dense): Q4_1 groups repacked in the B tiles' order (`q4_vnni_repack`;
-    outputs a multiple of 16), Q8_0 groups as they are."""
+    outputs a multiple of 16), Q8_0 groups likewise (`q8_vnni_repack`)."""
     n, k = groups[1].shape[0], groups[1].shape[1] * GROUP
     gen = torch.Generator().manual_seed(n * 7919 + k)
     x = torch.randn(TILES_MAX_ROWS_BF16 + 5, k, generator=gen).bfloat16()  # one pass, and a part-filled one
+    if n % 16:
+        return None
     if len(groups) == 3:
-        if n % 16:
-            return None
-        groups = q4_vnni_repack(*groups)
-        kernel = torch.ops.kvpool.q4_vnni_linear_amx
+        groups, kernel = q4_vnni_repack(*groups), torch.ops.kvpool.q4_vnni_linear_amx
     else:
-        kernel = torch.ops.kvpool.q8_linear_amx
+        groups, kernel = q8_vnni_repack(*groups), torch.ops.kvpool.q8_vnni_linear_amx
     return groups if torch.equal(kernel(x, *groups), dense(x)) else None
 
 
@@ -239,8 +241,22 @@ def q4_vnni_repack(nibbles: Tensor, scale: Tensor, mins: Tensor) -> tuple[Tensor
     levels = torch.cat((packed & 15, packed >> 4), dim=-1)  # [N, K/32, 32] in K order
     by_pair = levels.view(n // 16, 2, 8, groups, 16, 2).permute(0, 3, 4, 1, 2, 5)  # strip, group, pair, half, output, k
     vq = (by_pair[:, :, :, 0] | (by_pair[:, :, :, 1] << 4)).reshape(n // 16, groups, 16, 16).contiguous()
+    return vq, _per_strip(scale), _per_strip(mins)
 
-    def per_strip(t: Tensor) -> Tensor:
-        return t.float().view(n // 16, 16, groups).transpose(1, 2).contiguous()
 
-    return vq, per_strip(scale), per_strip(mins)
+def q8_vnni_repack(levels: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """Q8_0 groups (`q8_groups`) in the order `kvpool::q8_vnni_linear_amx` dequantizes them
+    straight into AMX B tiles: levels [N/16, K/32, 16 pairs of K, 32 bytes], byte 2o + j of
+    pair p holding output o's weight 2p + j (the tile row's word order); scales [N/16, K/32,
+    16 outputs]. N must be a multiple of 16."""
+    n, groups = scale.shape
+    if n % 16:
+        raise ValueError(f"q8_vnni_repack: {n} outputs, not a multiple of 16")
+    by_pair = levels.view(n // 16, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)  # strip, group, pair, output, k
+    return by_pair.reshape(n // 16, groups, 16, 32).contiguous(), _per_strip(scale)
+
+
+def _per_strip(t: Tensor) -> Tensor:
+    """[N, K/32] per-group values as [N/16, K/32, 16]: a strip's 16 outputs side by side."""
+    n, groups = t.shape
+    return t.float().view(n // 16, 16, groups).transpose(1, 2).contiguous()
