@@ -64,6 +64,7 @@ class KVCacheManager:
         self.windowed = any(w is not None for w in self.group_windows)
         self._window_groups = [g for g in self.groups if g.window is not None]
         self.ledger: MissLedger | None = None  # set by a driver that reports why blocks missed
+        self.name_blocks = hash_blocks  # keys of blocks filled past the given ones (a driver may name its own)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -97,9 +98,8 @@ class KVCacheManager:
         holds at once, over all groups (window groups allocated per prefill chunk of `chunk`)."""
         return sum(g.max_blocks(prompt_len, total_len, chunk) for g in self.groups)
 
-    def prompt_hashes(
-        self, token_ids: Sequence[int], cache_salt: str | None = None, limit: int | None = None
-    ) -> list[BlockHash]:
+    def prompt_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                      limit: int | None = None) -> list[BlockHash]:
         """Chained hashes of the full blocks of `token_ids` (at most `limit` of them)."""
         return hash_blocks(token_ids, self.block_size, cache_salt=cache_salt, parent=self._root, limit=limit)
 
@@ -327,8 +327,8 @@ class KVCacheManager:
         hashes = seq.hashes
         if len(hashes) < full:  # hash the blocks filled since (decode, partial prompt tail)
             i = len(hashes)
-            hashes += hash_blocks(token_ids, B, cache_salt=seq.cache_salt, parent=hashes[-1] if i else self._root,
-                                  start_block=i, limit=full)
+            hashes += self.name_blocks(token_ids, B, cache_salt=seq.cache_salt,
+                                       parent=hashes[-1] if i else self._root, start_block=i, limit=full)
         start = seq.num_registered
         for g, table, dead in zip(self.groups, seq.tables, seq.dead, strict=True):
             ids, hs = table[start:full], g.keys(hashes[start:full])

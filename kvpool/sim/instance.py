@@ -46,7 +46,7 @@ from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvpool.sim.metrics import RequestMetrics
 from kvpool.sim.sim_store import SimStore, StoreReads
-from kvpool.sim.tokens import BlockHasher, TokenSynth
+from kvpool.sim.tokens import BlockHasher, TokenSynth, name_blocks
 from kvpool.sim.workloads import SimPin, SimRequest
 
 _MARKER_BASE = 1 << 48  # placeholder token ids, above any vocabulary
@@ -91,6 +91,7 @@ class SimInstance:
     ) -> None:
         self.instance_id = instance_id
         self.sched = Scheduler(config, external_kv=store.lookup if store is not None else None)
+        self.sched.kv.name_blocks = name_blocks  # placeholder tokens: see `name_blocks`
         self.store = store
         self.reads = StoreReads(store, self.sched, cost_model) if store is not None else None
         self.cost_model = cost_model
@@ -120,7 +121,7 @@ class SimInstance:
         """Queue `req` (arriving at `now`). `extra_prompt_tokens` lengthens the prompt by
         tokens generated elsewhere (a decode instance receiving a prefilled request)."""
         prompt_len = req.prompt_len + extra_prompt_tokens
-        seq = self.sched.new_sequence([next(self._markers)] * prompt_len)
+        seq = self.sched.new_sequence(itertools.repeat(next(self._markers), prompt_len))  # one list, built by the core
         width = max(req.n, req.beam_width)
         params = SamplingParams(
             n=width, max_tokens=max_tokens or req.output_len, ignore_eos=True,

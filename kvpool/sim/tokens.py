@@ -19,12 +19,12 @@ miss a share, never invent one).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import count, islice
 
 import numpy as np
 
-from kvpool.core.hashing import BlockHash
+from kvpool.core.hashing import BlockHash, hash_blocks
 from kvpool.errors import ConfigError
 
 Chunks = tuple[tuple[int, int], ...]
@@ -95,3 +95,17 @@ class BlockHasher:
             else:
                 pending = b""
         return out
+
+
+def name_blocks(tokens: Sequence[int], block_size: int, cache_salt: str | None = None,
+                parent: BlockHash | None = None, start_block: int = 0, limit: int | None = None) -> list[BlockHash]:
+    """`hash_blocks` for a simulated KV manager (`KVCacheManager.name_blocks`): blocks chained
+    from a `BlockHasher` key get new keys instead of digests. Exact because every such block
+    holds placeholder tokens no other block of its instance holds (a marker per prompt, one per
+    drawn token), so their digests would all differ too, and no chain the manager hashes from
+    the root (a recomputed prompt) reaches them; blocks chained from the root are hashed."""
+    if not isinstance(parent, int):
+        return hash_blocks(tokens, block_size, cache_salt=cache_salt, parent=parent, start_block=start_block,
+                           limit=limit)
+    end = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
+    return list(islice(_KEYS, max(end - start_block, 0)))

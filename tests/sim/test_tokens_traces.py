@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from kvpool.core.hashing import hash_blocks
 from kvpool.errors import ConfigError
-from kvpool.sim.tokens import BlockHasher, TokenSynth
+from kvpool.sim.tokens import BlockHasher, TokenSynth, name_blocks
 from kvpool.sim.traces import TraceOptions, block_hashes_for, load_mooncake_trace, trace_path
 
 # few chunk ids, so prompts share prefixes, shorter and longer runs of one chunk, carried-over tokens
@@ -35,6 +35,15 @@ def test_two_hashers_never_share_a_key():
     chunks = ((1, 64), (2, 40))
     first, second = (BlockHasher(16, TokenSynth()).hashes(chunks) for _ in range(2))
     assert len(first) == 6 and not set(first) & set(second)
+
+
+def test_blocks_filled_past_a_hasher_key_get_new_keys_and_chains_from_the_root_stay_digests():
+    tokens = list(range(40))
+    assert name_blocks(tokens, 16) == hash_blocks(tokens, 16)  # a recomputed prompt hashes these again
+    parent = BlockHasher(16, TokenSynth()).hashes(((1, 16),))[0]
+    first, again = (name_blocks(tokens, 16, parent=parent, start_block=1) for _ in range(2))
+    assert len(first) == len(again) == 1 and first != again  # placeholder tokens never repeat
+    assert name_blocks(tokens, 16, parent=parent, start_block=1, limit=1) == []
 
 
 def test_shorter_chunk_is_prefix_of_longer_chunk_with_same_id():
