@@ -523,8 +523,13 @@ at::Tensor linear_amx(const Fmt& f, const at::Tensor& x, int64_t n_out) {
 // One pass over two row blocks of the activations (A tiles 4, 5, read in place: 16 rows x 32
 // K) and two strips (B tiles 6, 7): C tile 2 * b + s = row block b . strip s, over every group
 // of K in order (the intrinsics take literal tile numbers). Four tile loads per four products.
-template <int B>
-void tile_pass(const bf16* x, int64_t k, const bf16* strips, int64_t strip_size) {
+// `after(g)` runs once group g's products are issued: vector work there overlaps them.
+struct NoWork {
+  void operator()(int64_t) const {}
+};
+
+template <int B, class After = NoWork>
+void tile_pass(const bf16* x, int64_t k, const bf16* strips, int64_t strip_size, const After& after = {}) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (B > 1) {
@@ -545,6 +550,7 @@ void tile_pass(const bf16* x, int64_t k, const bf16* strips, int64_t strip_size)
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    after(g);
   }
 }
 
@@ -575,13 +581,15 @@ void store_pass(float (*c)[kTileRows * kTileRows], int64_t pass, int64_t b0, int
 
 // Row blocks b0 and b0 + 1 (where it exists) of x against a strip pair into C tiles 0-3
 // (tile_pass); returns how many blocks the pass took.
-int64_t pair_pass(const bf16* x, int64_t b0, int64_t blocks, int64_t k, const bf16* pair, int64_t strip_size) {
+template <class After = NoWork>
+int64_t pair_pass(const bf16* x, int64_t b0, int64_t blocks, int64_t k, const bf16* pair, int64_t strip_size,
+                  const After& after = {}) {
   const int64_t pass = std::min<int64_t>(2, blocks - b0);
   const bf16* xb = x + b0 * kTileRows * k;
   if (pass == 2)
-    tile_pass<2>(xb, k, pair, strip_size);
+    tile_pass<2>(xb, k, pair, strip_size, after);
   else
-    tile_pass<1>(xb, k, pair, strip_size);
+    tile_pass<1>(xb, k, pair, strip_size, after);
   return pass;
 }
 
@@ -757,23 +765,27 @@ at::Tensor linear_amx_vnni(const at::Tensor& x, const StripAt& strip_at, int64_t
       _tile_release();
       return;
     }
-    // Several passes: the pair is dequantized whole (the next one after the first pass).
+    // Several passes: the pair is dequantized whole, the next one a little after each group's
+    // products of this one's passes, so the vector work runs beside the tiles'.
     load_tile_config();
     thread_local std::vector<bf16> pairs;
     pairs.resize(4 * strip_size);
-    const auto make_pair = [&](int64_t pr, bf16* dst) {
-      make_strip(2 * pr, dst);
-      make_strip(second(2 * pr), dst + strip_size);
+    const auto make_group = [&](int64_t pr, int64_t unit, bf16* dst) {  // unit: strip (of 2) x group
+      const int64_t half = unit / groups, g = unit % groups;
+      strip_at(half ? second(2 * pr) : 2 * pr).group(g).dequant(dst + half * strip_size + g * kTileRows * kGroup);
     };
-    make_pair(begin, pairs.data());
+    for (int64_t u = 0; u < 2 * groups; ++u) make_group(begin, u, pairs.data());
+    const int64_t steps = (blocks + 1) / 2 * groups;  // the pair's group steps, every pass
     for (int64_t pr = begin; pr < end; ++pr) {
       const bf16* pair = pairs.data() + ((pr - begin) & 1) * 2 * strip_size;
       bf16* next = pairs.data() + ((pr - begin + 1) & 1) * 2 * strip_size;
-      for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
-        const int64_t pass = pair_pass(xp, b0, blocks, k, pair, strip_size);
-        if (b0 == 0 && pr + 1 < end) make_pair(pr + 1, next);
-        store_pass(c, pass, b0, 2 * pr, yp, n_out, rows);
-      }
+      const int64_t units = pr + 1 < end ? 2 * groups : 0;
+      int64_t step = 0, made = 0;
+      const auto make_next = [&](int64_t) {  // the next pair's units spread evenly over the steps
+        for (const int64_t due = ++step * units / steps; made < due; ++made) make_group(pr + 1, made, next);
+      };
+      for (int64_t b0 = 0; b0 < blocks; b0 += 2)
+        store_pass(c, pair_pass(xp, b0, blocks, k, pair, strip_size, make_next), b0, 2 * pr, yp, n_out, rows);
     }
     _tile_release();
   });
