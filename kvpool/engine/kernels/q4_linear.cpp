@@ -656,6 +656,8 @@ inline void per_lane(const float* v, __m512& lo, __m512& hi) {
 }
 
 // One group of one strip of Q4_1 weights: a B tile (1 KB) at dst.
+constexpr int64_t kVnniSweepBlocks = 32;  // 512 activation rows per sweep over the strip pairs
+
 struct Q4Group {
   const uint8_t* q;
   const float* scale;
@@ -774,17 +776,22 @@ at::Tensor linear_amx_vnni(const at::Tensor& x, const StripAt& strip_at, int64_t
       const int64_t half = unit / groups, g = unit % groups;
       strip_at(half ? second(2 * pr) : 2 * pr).group(g).dequant(dst + half * strip_size + g * kTileRows * kGroup);
     };
+    // Rows go in sweeps of up to kVnniSweepBlocks row blocks, each over all the thread's pairs
+    // (its activations stay in L2): job j is pair begin + j % pairs of sweep j / pairs.
+    const int64_t npairs = end - begin, sweeps = (blocks + kVnniSweepBlocks - 1) / kVnniSweepBlocks;
     for (int64_t u = 0; u < 2 * groups; ++u) make_group(begin, u, pairs.data());
-    const int64_t steps = (blocks + 1) / 2 * groups;  // the pair's group steps, every pass
-    for (int64_t pr = begin; pr < end; ++pr) {
-      const bf16* pair = pairs.data() + ((pr - begin) & 1) * 2 * strip_size;
-      bf16* next = pairs.data() + ((pr - begin + 1) & 1) * 2 * strip_size;
-      const int64_t units = pr + 1 < end ? 2 * groups : 0;
+    for (int64_t j = 0; j < sweeps * npairs; ++j) {
+      const int64_t pr = begin + j % npairs, c0 = j / npairs * kVnniSweepBlocks;
+      const int64_t c1 = std::min(blocks, c0 + kVnniSweepBlocks);
+      const bf16* pair = pairs.data() + (j & 1) * 2 * strip_size;
+      bf16* next = pairs.data() + ((j + 1) & 1) * 2 * strip_size;
+      const int64_t units = j + 1 < sweeps * npairs ? 2 * groups : 0, steps = (c1 - c0 + 1) / 2 * groups;
       int64_t step = 0, made = 0;
-      const auto make_next = [&](int64_t) {  // the next pair's units spread evenly over the steps
-        for (const int64_t due = ++step * units / steps; made < due; ++made) make_group(pr + 1, made, next);
+      const auto make_next = [&](int64_t) {  // the next job's units spread evenly over the steps
+        for (const int64_t due = ++step * units / steps; made < due; ++made)
+          make_group(begin + (j + 1) % npairs, made, next);
       };
-      for (int64_t b0 = 0; b0 < blocks; b0 += 2)
+      for (int64_t b0 = c0; b0 < c1; b0 += 2)
         store_pass(c, pair_pass(xp, b0, blocks, k, pair, strip_size, make_next), b0, 2 * pr, yp, n_out, rows);
     }
     _tile_release();

@@ -114,8 +114,8 @@ class LinearPacker:
     def report(self, projections: int, head: nn.Module, native_loop: bool) -> None:
         if not self.q4_kernels:
             return
-        logger.info("%d of %d projections also serve batches of <= %d rows from 4-bit groups%s%s",
-                    len(self.served), projections, self.q4_rows,
+        rows = "every batch" if self.q4_rows == VNNI_MAX_ROWS_BF16 else f"batches of <= {self.q4_rows} rows"
+        logger.info("%d of %d projections also serve %s from 4-bit groups%s%s", len(self.served), projections, rows,
                     f"; the LM head <= {head.max_rows} rows from 8-bit groups" if isinstance(head, Q8Linear) else "",
                     " (bit for bit the dense GEMM's results)" if self.invariant else "")
         logger.info("decode-sized steps run %s", "the native layer loop" if native_loop else "the Python layer loop")
