@@ -68,8 +68,6 @@ class Engine:
         self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device,
                                            quantization=config.quantization,
                                            reserve_bytes=fixed_kv_bytes(config.kv_cache_memory))
-        if self.device.type == "cpu":  # after the load: its freed temporaries are returned as before
-            keep_freed_memory()
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
@@ -101,6 +99,8 @@ class Engine:
             pack_weights=config.cpu_weight_packing, q4_kernels=config.cpu_q4_kernels, max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, layer_groups=groups, kv_dtype=self.kv_dtype,
         )
+        if self.device.type == "cpu":  # after the load and packing: their temporaries are returned as before
+            keep_freed_memory()
         self.kv_store: KVStoreConnector | None = None
         if store is not None:
             self.kv_store = KVStoreConnector(store, self.runner, self.scheduler, config.kv_write_policy,

@@ -29,7 +29,6 @@ from kvpool.engine.layers.linear import (
 )
 from kvpool.engine.loader import load_model
 from kvpool.engine.models.quantized import (
-    VNNI_MAX_ROWS_BF16,
     lanes_groups,
     q4_groups,
     q8_groups,
@@ -81,7 +80,7 @@ def test_grouped_kernels_give_the_dense_gemms_bits_at_every_row_count(bits, shap
     served = tile_groups(dense, groups) if vector_rows == 0 else lanes_groups(dense, groups)
     assert served is not None
     if vector_rows == 0:  # AMX: the groups repacked in the B tiles' order
-        lin = (Q4TileLinear(dense, served, None, VNNI_MAX_ROWS_BF16) if bits == 4
+        lin = (Q4TileLinear(served, None) if bits == 4
                else Q8TileLinear(dense, served, None, max_rows))
     else:
         lin = (Q4Linear if bits == 4 else Q8Linear)(dense, served, None, max_rows, vector_rows)

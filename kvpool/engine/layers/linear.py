@@ -5,6 +5,7 @@ batches beside a dense copy."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -225,6 +226,9 @@ def can_pack_weights(device: torch.device | str, dtype: torch.dtype) -> bool:
     )
 
 
+EVERY_ROW_COUNT = sys.maxsize  # a row limit that is none
+
+
 class Q4Linear(nn.Module):
     """A frozen Linear with two copies of its weight: 4-bit groups (`models/quantized.py`) for
     batches of at most `max_rows` rows (weight-bandwidth bound), the dense module for larger
@@ -233,7 +237,7 @@ class Q4Linear(nn.Module):
 
     def __init__(
         self,
-        dense: FrozenLinear | PackedLinear,
+        dense: FrozenLinear | PackedLinear | None,
         groups: tuple[Tensor, ...],
         bias: Tensor | None,
         max_rows: int,
@@ -265,15 +269,22 @@ class Q4Linear(nn.Module):
 
 
 class Q4TileLinear(Q4Linear):
-    """Q4_1 groups repacked in the AMX B tiles' order (`models/quantized.q4_vnni_repack`) for
-    batches of up to `max_rows`, the dense `TileLinear` above: the same products in the same
-    order, so the same bits, from 0.75 bytes a weight instead of 2."""
+    """Q4_1 groups repacked in the AMX B tiles' order (`models/quantized.q4_vnni_repack`) at
+    every row count: the dense `TileLinear`'s products in the same order, so the same bits (the
+    packer checks them against it, then drops it: 2 bytes a weight against 0.75). The kernel
+    reads 0.75 bytes a weight where the dense copy reads 2, and dequantizes each strip pair once
+    per 512 rows beside the tile products of the pair before (one thread, the bundled model's
+    120 projections out of cache: 128 rows 29.7 vs 35.7 ms, 1,088 rows 230 vs 246, 2,048 rows
+    431 vs 490; docs/performance.md, 2026-12-05)."""
 
-    def __init__(self, dense: nn.Module, groups: tuple[Tensor, ...], bias: Tensor | None, max_rows: int) -> None:
-        super().__init__(dense, groups, bias, max_rows, vector_rows=0)
+    def __init__(self, groups: tuple[Tensor, ...], bias: Tensor | None) -> None:
+        super().__init__(None, groups, bias, EVERY_ROW_COUNT, vector_rows=0)
 
     def tile_kernel(self, x: Tensor) -> Tensor:
         return torch.ops.kvpool.q4_vnni_linear_amx(x, *self.groups)
+
+    def warm_up(self, max_rows: int) -> None:
+        """Nothing to build: the groups' kernel takes any row count."""
 
 
 class Q8Linear(Q4Linear):

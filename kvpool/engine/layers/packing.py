@@ -8,7 +8,7 @@ bfloat16. Batch-invariant (the default, see `kernels.batch_invariant`): groups s
 their kernel gives the dense GEMM's bits (the lanes kernels, `lanes_groups`, or on AMX CPUs the
 tile kernel, `tile_groups`), so the row count never changes a row; on AMX CPUs in bf16 the dense
 copies are `TileLinear`s too (oneDNN's order depends on the row count there), and Q4_1 groups,
-repacked in the tiles' order, serve steps of up to `VNNI_MAX_ROWS_BF16` rows (`Q4TileLinear`),
+repacked in the tiles' order, serve every step (`Q4TileLinear`, the dense copy dropped once checked),
 Q8_0 ones (the LM head) up to `TILES_MAX_ROWS_BF16` (`Q8TileLinear`).
 """
 
@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from kvpool.engine.kernels import batch_invariant, q4_amx_available, q4_linear_available
 from kvpool.engine.layers.linear import (
+    EVERY_ROW_COUNT,
     FrozenLinear,
     PackedLinear,
     Q4Linear,
@@ -34,7 +35,6 @@ from kvpool.engine.layers.linear import (
 )
 from kvpool.engine.models.quantized import (
     TILES_MAX_ROWS_BF16,
-    VNNI_MAX_ROWS_BF16,
     lanes_groups,
     row_limits,
     tile_groups,
@@ -75,7 +75,7 @@ class LinearPacker:
         if groups is None:
             return dense
         if self.tiles:  # repacked by tile_groups
-            layer: Q4Linear = (Q4TileLinear(dense, groups, dense.bias, VNNI_MAX_ROWS_BF16) if len(groups) == 3
+            layer: Q4Linear = (Q4TileLinear(groups, dense.bias) if len(groups) == 3
                                else Q8TileLinear(dense, groups, dense.bias, TILES_MAX_ROWS_BF16))
         else:
             kind = Q4Linear if len(groups) == 3 else Q8Linear
@@ -114,7 +114,7 @@ class LinearPacker:
     def report(self, projections: int, head: nn.Module, native_loop: bool) -> None:
         if not self.q4_kernels:
             return
-        rows = "every batch" if self.q4_rows == VNNI_MAX_ROWS_BF16 else f"batches of <= {self.q4_rows} rows"
+        rows = "every batch" if self.q4_rows == EVERY_ROW_COUNT else f"batches of <= {self.q4_rows} rows"
         logger.info("%d of %d projections also serve %s from 4-bit groups%s%s", len(self.served), projections, rows,
                     f"; the LM head <= {head.max_rows} rows from 8-bit groups" if isinstance(head, Q8Linear) else "",
                     " (bit for bit the dense GEMM's results)" if self.invariant else "")

@@ -13,8 +13,6 @@ and the row limits of their kernels."""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import Tensor, nn
 
@@ -50,12 +48,7 @@ LANES_MAX_ROWS_BF16 = 8  # the batch-invariant lanes kernels (their bits equal t
 # read instead of 56 (2 threads, out of cache: 1.96 vs 2.17 ms at 1 row, 2.17 vs 2.62 at 32);
 # above, the whole-strip dequantization loses (3.8 vs 3.1 ms at 33 rows).
 TILES_MAX_ROWS_BF16 = 32
-# ... and Q4_1 groups repacked in the B tiles' order (`q4_vnni_repack`) at every row count: the
-# repacked kernel reads 0.75 bytes a weight where the dense copy reads 2, and dequantizes each
-# strip pair once per 512 rows beside the tile products of the pair before (one thread, 120
-# projections out of cache: 128 rows 29.7 vs 35.7 ms, 1,088 rows 230 vs 246, 2,048 rows 431
-# vs 490; docs/performance.md, 2026-12-05).
-VNNI_MAX_ROWS_BF16 = sys.maxsize
+# ... and Q4_1 groups repacked in the B tiles' order serve every row count (`Q4TileLinear`).
 LANES_HEAD_MAX_ROWS_BF16 = 4
 # float32 lanes kernels (AVX2 Zen 3, one thread, a shared box): the bundled model's four
 # projections of a layer take 0.54-0.70 ms at 1 row (dense 2.3-3.0, the per-row-count kernel
