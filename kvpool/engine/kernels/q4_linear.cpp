@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -876,45 +877,45 @@ at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& strips, int64_
   return linear_amx_packed(PackedStrips{reinterpret_cast<const bf16*>(strips.data_ptr<at::BFloat16>())}, x, n_out);
 }
 
-// y = x . W^T for Q4_1 groups repacked in the B tiles' order (quantized.py: q4_vnni_repack):
-// vq [N/16, K/32, 16, 16] uint8, vs and vm [N/16, K/32, 16] float32.
-at::Tensor q4_vnni_linear_amx(const at::Tensor& x, const at::Tensor& vq, const at::Tensor& vs, const at::Tensor& vm) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % kGroup == 0,
-              "q4_vnni_linear_amx: x must be bfloat16 [M, K], K a multiple of 32");
-  const int64_t strips = vq.size(0), groups = x.size(1) / kGroup;
-  TORCH_CHECK(vq.scalar_type() == at::kByte && vq.is_contiguous() && vq.dim() == 4 && vq.size(1) == groups &&
-                  vq.size(2) == 16 && vq.size(3) == 16,
-              "q4_vnni_linear_amx: vq must be contiguous uint8 [N/16, K/32, 16, 16]");
-  for (const at::Tensor* t : {&vs, &vm})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == strips &&
+// The repacked groups' shapes for x [M, K] (quantized.py: q4_vnni_repack, q8_vnni_repack): vq
+// [N/16, K/32, 16, row_bytes] of `levels`, each per-output tensor [N/16, K/32, 16] float32.
+// Returns K/32.
+int64_t check_vnni(const char* op, const at::Tensor& x, const at::Tensor& vq, at::ScalarType levels,
+                   int64_t row_bytes, std::initializer_list<const at::Tensor*> per_output) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % kGroup == 0, op,
+              ": x must be bfloat16 [M, K], K a multiple of 32");
+  const int64_t groups = x.size(1) / kGroup;
+  TORCH_CHECK(vq.scalar_type() == levels && vq.is_contiguous() && vq.dim() == 4 && vq.size(1) == groups &&
+                  vq.size(2) == 16 && vq.size(3) == row_bytes,
+              op, ": vq must be contiguous ", levels, " [N/16, K/32, 16, ", row_bytes, "]");
+  for (const at::Tensor* t : per_output)
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == vq.size(0) &&
                     t->size(1) == groups && t->size(2) == 16,
-                "q4_vnni_linear_amx: vs and vm must be contiguous float32 [N/16, K/32, 16]");
+                op, ": scales (and mins) must be contiguous float32 [N/16, K/32, 16]");
+  return groups;
+}
+
+// y = x . W^T for Q4_1 groups repacked in the B tiles' order: vq uint8 (two levels a byte),
+// vs and vm the scales and mins.
+at::Tensor q4_vnni_linear_amx(const at::Tensor& x, const at::Tensor& vq, const at::Tensor& vs, const at::Tensor& vm) {
+  const int64_t groups = check_vnni("q4_vnni_linear_amx", x, vq, at::kByte, 16, {&vs, &vm});
   const uint8_t* q = vq.data_ptr<uint8_t>();
   const float *scale = vs.data_ptr<float>(), *mins = vm.data_ptr<float>();
   return linear_amx_vnni(x, [&](int64_t s) {
     const int64_t at = s * groups;
     return Q4Group{q + at * Q4Group::kBytes, scale + at * 16, mins + at * 16};
-  }, strips * 16);
+  }, vq.size(0) * 16);
 }
 
-// y = x . W^T for Q8_0 groups repacked in the B tiles' order (quantized.py: q8_vnni_repack):
-// vq [N/16, K/32, 16, 32] int8, vs [N/16, K/32, 16] float32.
+// The same for Q8_0 groups: vq int8, vs the scales.
 at::Tensor q8_vnni_linear_amx(const at::Tensor& x, const at::Tensor& vq, const at::Tensor& vs) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % kGroup == 0,
-              "q8_vnni_linear_amx: x must be bfloat16 [M, K], K a multiple of 32");
-  const int64_t strips = vq.size(0), groups = x.size(1) / kGroup;
-  TORCH_CHECK(vq.scalar_type() == at::kChar && vq.is_contiguous() && vq.dim() == 4 && vq.size(1) == groups &&
-                  vq.size(2) == 16 && vq.size(3) == 32,
-              "q8_vnni_linear_amx: vq must be contiguous int8 [N/16, K/32, 16, 32]");
-  TORCH_CHECK(vs.scalar_type() == at::kFloat && vs.is_contiguous() && vs.dim() == 3 && vs.size(0) == strips &&
-                  vs.size(1) == groups && vs.size(2) == 16,
-              "q8_vnni_linear_amx: vs must be contiguous float32 [N/16, K/32, 16]");
+  const int64_t groups = check_vnni("q8_vnni_linear_amx", x, vq, at::kChar, 32, {&vs});
   const int8_t* q = vq.data_ptr<int8_t>();
   const float* scale = vs.data_ptr<float>();
   return linear_amx_vnni(x, [&](int64_t s) {
     const int64_t at = s * groups;
     return Q8Group{q + at * Q8Group::kBytes, scale + at * 16};
-  }, strips * 16);
+  }, vq.size(0) * 16);
 }
 
 at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
