@@ -196,6 +196,23 @@ async def run(args: argparse.Namespace, requests: list[BenchRequest], model: str
     return list(results), duration
 
 
+async def warm_up(args: argparse.Namespace, model: str, pool) -> None:
+    """Requests sent before the timed run and before its counters are read: a client's first
+    request pays its own start-up (lazy imports, the first connection; 80-250 ms measured here),
+    which is not the server's latency. Their prompts are drawn apart from the dataset's, so they
+    warm no prefix the run will ask for (as `vllm bench serve`'s initial test prompt does)."""
+    if not args.warmup_requests:
+        return
+    url = args.base_url.rstrip("/") + args.endpoint
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rng = random.Random(f"warm-up {args.seed}")
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None)) as client:
+        for _ in range(args.warmup_requests):
+            res = await send(client, url, model, BenchRequest(_tokens(rng, 16, pool), 2))
+            if not res.ok:
+                raise ConfigError(f"the warm-up request failed: {res.error or 'no tokens came back'}")
+
+
 # -- reporting -------------------------------------------------------------------------------
 def parse_goodput(items: list[str]) -> dict[str, float]:
     slos = {}
@@ -295,6 +312,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="draw synthetic token ids from 100..N-1 (default: ids of the server's own tokenizer, via /tokenize)")
     a("--goodput", nargs="*", default=[], help="SLOs such as ttft:500 tpot:50 (milliseconds)")
     a("--seed", type=int, default=0)
+    a("--warmup-requests", type=int, default=1,
+      help="untimed requests before the run (a client's first request pays its own start-up)")
     a("--save-result", default=None, help="write the summary as JSON here")
     a("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -304,6 +323,8 @@ def main(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     if args.vocab_size is not None and args.vocab_size <= 100:
         raise ConfigError(f"--vocab-size must be > 100, got {args.vocab_size}")
+    if args.warmup_requests < 0:
+        raise ConfigError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
@@ -314,6 +335,7 @@ def main(args: argparse.Namespace) -> int:
     requests = DATASETS[args.dataset](args, pool)
     if not requests:
         raise ConfigError("the dataset produced no requests")
+    asyncio.run(warm_up(args, model, pool))
     before, split = prefix_counters(args.base_url, headers), kv_breakdown(args.base_url, headers)
     phases = ttft_phases(args.base_url, headers)
     results, duration = asyncio.run(run(args, requests, model))
