@@ -580,26 +580,23 @@ void store_pass(float (*c)[kTileRows * kTileRows], int64_t pass, int64_t b0, int
   }
 }
 
-// Row blocks b0 and b0 + 1 (where it exists) of x against a strip pair into C tiles 0-3
-// (tile_pass); returns how many blocks the pass took.
+// Row blocks b0 and b0 + 1 (where it exists) of x against strips s0, s0 + 1 (`pair`, through
+// C tiles 0-3: tile_pass) -> y. The pass over the last rows, fewer than its blocks hold, runs on
+// tiles of those rows only, whole tiles again once it is stored: x is read in place, never past
+// its rows, and a 129-row step pays for a 1-row block, not a 32-row pass.
 template <class After = NoWork>
-int64_t pair_pass(const bf16* x, int64_t b0, int64_t blocks, int64_t k, const bf16* pair, int64_t strip_size,
-                  const After& after = {}) {
-  const int64_t pass = std::min<int64_t>(2, blocks - b0);
+void pair_pass(float (*c)[kTileRows * kTileRows], const bf16* x, int64_t b0, int64_t rows, int64_t k,
+               const bf16* pair, int64_t strip_size, int64_t s0, bf16* y, int64_t n_out, const After& after = {}) {
+  const int64_t left = rows - b0 * kTileRows, pass = left > kTileRows ? 2 : 1;
+  const bool partial = left < pass * kTileRows;
+  if (partial) load_tile_config(std::min(left, kTileRows), pass == 2 ? left - kTileRows : kTileRows);
   const bf16* xb = x + b0 * kTileRows * k;
   if (pass == 2)
     tile_pass<2>(xb, k, pair, strip_size, after);
   else
     tile_pass<1>(xb, k, pair, strip_size, after);
-  return pass;
-}
-
-// x's rows as A tiles read them in place: whole pairs of 16-row blocks, a zero tail past the rows.
-at::Tensor pad_to_passes(const at::Tensor& x) {
-  const int64_t rows = x.size(0), blocks = (rows + kTileRows - 1) / kTileRows;
-  const int64_t padded = ((blocks + 1) / 2) * 2 * kTileRows;
-  const at::Tensor xc = x.contiguous();
-  return padded == rows ? xc : at::cat({xc, at::zeros({padded - rows, x.size(1)}, xc.options())});
+  store_pass(c, pass, b0, s0, y, n_out, rows);
+  if (partial) load_tile_config();
 }
 
 // Dense bf16 weights as linear.py's `TileLinear` packs them: [N/32 pairs of strips][K/32][16
@@ -614,7 +611,7 @@ at::Tensor linear_amx_packed(const PackedStrips& f, const at::Tensor& x, int64_t
   const int64_t rows = x.size(0), k = x.size(1), blocks = (rows + kTileRows - 1) / kTileRows;
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return y;
-  const at::Tensor xc = pad_to_passes(x);
+  const at::Tensor xc = x.contiguous();
   const bf16* xp = xc.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const int64_t strips = (n_out + kTileRows - 1) / kTileRows, strip_size = kTileRows * k;
@@ -628,7 +625,7 @@ at::Tensor linear_amx_packed(const PackedStrips& f, const at::Tensor& x, int64_t
         const int64_t s0 = 2 * pr;
         const bf16* pair = f.strips + s0 * strip_size;
         for (int64_t b0 = c0; b0 < std::min(blocks, c0 + kChunkBlocks); b0 += 2) {
-          store_pass(c, pair_pass(xp, b0, blocks, k, pair, strip_size), b0, s0, yp, n_out, rows);
+          pair_pass(c, xp, b0, rows, k, pair, strip_size, s0, yp, n_out);
         }
       }
     }
@@ -742,8 +739,7 @@ at::Tensor linear_amx_vnni(const at::Tensor& x, const StripAt& strip_at, int64_t
   const int64_t rows = x.size(0), k = x.size(1), blocks = (rows + kTileRows - 1) / kTileRows, groups = k / kGroup;
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return y;
-  // one pass (decode rows): tiles of the rows there are, read in place; else whole blocks
-  const at::Tensor xc = blocks <= 2 ? x.contiguous() : pad_to_passes(x);
+  const at::Tensor xc = x.contiguous();  // A tiles of the rows there are, read in place
   const bf16* xp = xc.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const int64_t strips = n_out / kTileRows, strip_size = kTileRows * k;
@@ -793,7 +789,7 @@ at::Tensor linear_amx_vnni(const at::Tensor& x, const StripAt& strip_at, int64_t
           make_group(begin + (j + 1) % npairs, made, next);
       };
       for (int64_t b0 = c0; b0 < c1; b0 += 2)
-        store_pass(c, pair_pass(xp, b0, blocks, k, pair, strip_size, make_next), b0, 2 * pr, yp, n_out, rows);
+        pair_pass(c, xp, b0, rows, k, pair, strip_size, 2 * pr, yp, n_out, make_next);
     }
     _tile_release();
   });
