@@ -2,10 +2,11 @@
 simulator between events, where per-step calls dominate a trace-length run).
 
 `leap(batch, steps, token_ids)` leaves the KV manager, the sequences and the stop counters as
-`steps` calls of `DecodeBatch.step` would: every step that opens or fills a block makes the same
-`append_slots` / `commit` call as `step` does, in the same order (so the same blocks, evictions,
-registrations and events); the slot reservations of the steps in between only count tokens, so
-they are merged into the next call. Tokens are appended without stop checks, so a leap covers
+`steps` calls of `DecodeBatch.step` would: the steps' blocks are taken and registered in one pass
+in the order the steps take them (`core/leap_slots.py`), or, where that pass cannot be exact,
+every step that opens or fills a block makes the same `append_slots` / `commit` call as `step`
+does, in the same order (so the same blocks, evictions, registrations and events), the slot
+reservations of the steps in between merged into the next call. Tokens are appended without stop checks, so a leap covers
 only steps in which no sequence can stop (`leap_steps`): the last step of a batch, which may reach
 max_tokens, is left to `DecodeBatch.step`.
 """
@@ -14,8 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from kvpool.core.kv_manager import KVCacheManager
+from kvpool.core.leap_slots import leap_slots
 from kvpool.errors import KVStateError
 from kvpool.sched.decode_batch import DecodeBatch
+from kvpool.sched.request import Sequence, SequenceGroup
 
 
 def leap_steps(batch: DecodeBatch) -> int:
@@ -43,12 +47,25 @@ def leap(batch: DecodeBatch, steps: int, token_ids: Seq[int]) -> None:
     if steps == 0:
         return
     kv = batch.kv
-    B = kv.block_size
-    append, commit = kv.append_slots, kv.commit
     before = [len(seq.token_ids) for _, seq in seqs]  # n: the KV holds slots for n - 1 tokens
-    by_phase: dict[int, list[int]] = {}  # (n - 1) % B -> the sequences (in batch order)
-    for j, ((_, seq), n) in enumerate(zip(seqs, before, strict=True)):
+    for j, (_, seq) in enumerate(seqs):
         seq.token_ids.extend(token_ids[j::b])
+    if not leap_slots(kv, [seq.seq_id for _, seq in seqs], [seq.token_ids for _, seq in seqs], steps):
+        _slots_step_by_step(kv, seqs, before, steps)
+    for (_, seq), n in zip(seqs, before, strict=True):
+        seq.num_computed_tokens = n - 1 + steps
+    batch.stops.num_generated_tokens += steps * b
+    batch.steps -= steps
+
+
+def _slots_step_by_step(kv: KVCacheManager, seqs: list[tuple[SequenceGroup, Sequence]], before: list[int],
+                        steps: int) -> None:
+    """The steps' `append_slots` / `commit` calls as `DecodeBatch.step` makes them, except that the
+    reservations of steps that neither open nor fill a block are merged into the next call."""
+    B, b = kv.block_size, len(seqs)
+    append, commit = kv.append_slots, kv.commit
+    by_phase: dict[int, list[int]] = {}  # (n - 1) % B -> the sequences (in batch order)
+    for j, n in enumerate(before):
         by_phase.setdefault((n - 1) % B, []).append(j)
     synced = [0] * b  # steps whose slot each sequence has reserved
     for i in range(steps):
@@ -66,6 +83,3 @@ def leap(batch: DecodeBatch, steps: int, token_ids: Seq[int]) -> None:
     for j, (_, seq) in enumerate(seqs):
         if synced[j] < steps:
             append(seq.seq_id, steps - synced[j])
-        seq.num_computed_tokens = before[j] - 1 + steps
-    batch.stops.num_generated_tokens += steps * b
-    batch.steps -= steps

@@ -81,7 +81,8 @@ class BlockHasher:
         parent: int | None = None  # the first block's
         pending = b""
         out: list[BlockHash] = []
-        for cid, length in chunks:
+        last = len(chunks) - 1
+        for k, (cid, length) in enumerate(chunks):
             run = runs.setdefault((parent, pending, cid), [])
             tokens = len(pending) // 8 + length
             full = tokens // B
@@ -90,7 +91,7 @@ class BlockHasher:
             if full:
                 out += run[:full]
                 parent = run[full - 1]
-            if tokens % B:  # the partial block's tokens carry over into the next chunk's first block
+            if tokens % B and k < last:  # the partial block's tokens carry over into the next chunk's first block
                 pending = (pending + self.synth.chunk_array(cid, length).tobytes())[full * B * 8 :]
             else:
                 pending = b""

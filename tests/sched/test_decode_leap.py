@@ -13,6 +13,7 @@ from test_decode_batch import _samples, _state, _tokens
 
 from kvpool.errors import KVStateError
 from kvpool.sched.decode_leap import leap, leap_steps
+from kvpool.sched.output import Sample
 from kvpool.sched.request import SequenceGroup
 from kvpool.sched.sampling_params import SamplingParams
 from kvpool.sched.scheduler import Scheduler, SchedulerConfig
@@ -86,3 +87,28 @@ def test_no_leap_when_a_stop_token_could_end_a_sequence_early():
     s.postprocess(out, _samples(out))
     batch = s.plain_decode()
     assert batch.steps > 1 and leap_steps(batch) == 0
+
+
+def test_a_leap_that_fills_blocks_cached_already_equals_its_steps():
+    # r1 repeats r0's prompt and tokens, so the blocks its steps fill are cached (r0's) until its
+    # own new blocks evict them, some after the step that fills the block of the same key: the leap
+    # must take its steps one by one (core/leap_slots.py declines).
+    s = _scheduler(4, 8, [(0, 4, 14)], caching=True)
+    while s.has_unfinished():
+        out = s.schedule()
+        s.postprocess(out, [Sample([7]) for _ in out.sampling])
+    cached = len(s.kv.pool.cached_items())
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    s.add_request(SequenceGroup("r1", [s.new_sequence([0] * 8 + [100] * 4)], params, 1))
+    out = s.schedule()
+    s.postprocess(out, [Sample([7]) for _ in out.sampling])
+    batch = s.plain_decode()
+    k = leap_steps(batch)
+    assert k >= 8
+    twin = copy.deepcopy(s)
+    twin_batch = twin.plain_decode()
+    for _ in range(k):
+        assert twin_batch.step([7]) == []
+    leap(batch, k, [7] * k)
+    assert _state(s) == _state(twin)
+    assert s.kv.pool.num_evictions and len(s.kv.pool.cached_items()) < cached
