@@ -145,6 +145,9 @@ class _Upstream:
         await self.response.aclose()
 
 
+ROUTES = 3  # routes a request may take before its first token when connections are lost
+
+
 class Relay:
     def __init__(self, rid: str, ids: list[int], hashes: list[bytes], body: dict[str, Any], max_tokens: int,
                  conductor: Conductor, poller: MemberPoller, client: httpx.AsyncClient, stats: RelayStats) -> None:
@@ -160,10 +163,27 @@ class Relay:
         self._routed = False
         self._first_done = False
         self._failed = False
+        self._connection_lost = False  # the last failure was the connection's, not an instance's answer
+        self._counted = False  # the first token is in the stats
 
     # -- the first token ------------------------------------------------------------------
     async def start(self) -> Piece:
+        """Route the request and return its first token. Until then nothing has reached the
+        client, so a lost connection (an instance killed since the last poll: refused, or a
+        pooled connection it dropped) routes the request again, up to `ROUTES` times; the poller
+        has counted the miss (a refused connection marks the instance down at once)."""
         self.stats.requests += 1
+        for _ in range(ROUTES - 1):
+            try:
+                return await self._route_and_open()
+            except InstanceFailed:
+                if not self._connection_lost:
+                    raise
+            self._failed = self._connection_lost = self._first_done = False  # the next route's first token
+            self.output_tokens = 0
+        return await self._route_and_open()
+
+    async def _route_and_open(self) -> Piece:
         members = self.poller.members
         if not any(m.up and m.indexed for m in members.values()):
             raise NoInstance("no prefill instance is up; retry later")
@@ -241,6 +261,7 @@ class Relay:
 
     def _failure(self, member: Member, error: Exception) -> InstanceFailed:
         self._failed = True
+        self._connection_lost = isinstance(error, httpx.TransportError)
         self.stats.failed[member.instance_id] = self.stats.failed.get(member.instance_id, 0) + 1
         if isinstance(error, httpx.TransportError):
             self.poller.missed(member, error)
@@ -263,10 +284,12 @@ class Relay:
                 self.prompt_logprobs = PromptLogprobs(self.ids, data["prompt_logprobs"],
                                                       _pairs(data.get("prompt_top_logprobs")) or [])
             now = time.monotonic()
-            self.stats.prompt_tokens += len(self.ids)
-            self.stats.cached_prompt_tokens += self.cached_tokens
-            self.stats.ttft_sum_s += now - self.arrival
-            self.stats.ttft_count += 1
+            if not self._counted:  # once per request, though a second route reads its first token again
+                self._counted = True
+                self.stats.prompt_tokens += len(self.ids)
+                self.stats.cached_prompt_tokens += self.cached_tokens
+                self.stats.ttft_sum_s += now - self.arrival
+                self.stats.ttft_count += 1
             self.conductor.on_prefill_done(self.rid, now)
         self.output_tokens += len(data["token_ids"])
         self.stats.generated_tokens += len(data["token_ids"])
