@@ -196,7 +196,7 @@ async def run(args: argparse.Namespace, requests: list[BenchRequest], model: str
     return list(results), duration
 
 
-async def warm_up(args: argparse.Namespace, model: str, pool) -> None:
+async def warm_up(args: argparse.Namespace, model: str, pool, headers: dict[str, str]) -> None:
     """Requests sent before the timed run and before its counters are read: a client's first
     request pays its own start-up (lazy imports, the first connection; 80-250 ms measured here),
     which is not the server's latency. Their prompts are drawn apart from the dataset's, so they
@@ -204,7 +204,6 @@ async def warm_up(args: argparse.Namespace, model: str, pool) -> None:
     if not args.warmup_requests:
         return
     url = args.base_url.rstrip("/") + args.endpoint
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(f"warm-up {args.seed}")
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None)) as client:
         for _ in range(args.warmup_requests):
@@ -335,7 +334,7 @@ def main(args: argparse.Namespace) -> int:
     requests = DATASETS[args.dataset](args, pool)
     if not requests:
         raise ConfigError("the dataset produced no requests")
-    asyncio.run(warm_up(args, model, pool))
+    asyncio.run(warm_up(args, model, pool, headers))
     before, split = prefix_counters(args.base_url, headers), kv_breakdown(args.base_url, headers)
     phases = ttft_phases(args.base_url, headers)
     results, duration = asyncio.run(run(args, requests, model))

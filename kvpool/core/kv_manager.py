@@ -324,11 +324,7 @@ class KVCacheManager:
         full = min(num_computed_tokens, seq.num_tokens) // B
         if seq.num_registered >= full:
             return
-        hashes = seq.hashes
-        if len(hashes) < full:  # hash the blocks filled since (decode, partial prompt tail)
-            i = len(hashes)
-            hashes += self.name_blocks(token_ids, B, cache_salt=seq.cache_salt,
-                                       parent=hashes[-1] if i else self._root, start_block=i, limit=full)
+        hashes = self.keys_upto(seq, token_ids, full)
         start = seq.num_registered
         for g, table, dead in zip(self.groups, seq.tables, seq.dead, strict=True):
             ids, hs = table[start:full], g.keys(hashes[start:full])
@@ -338,6 +334,16 @@ class KVCacheManager:
         if self.ledger is not None:
             self.ledger.saw(hashes[start:full], token_ids, bool(seq.cache_salt), start)
         seq.num_registered = full
+
+    def keys_upto(self, seq: SeqBlocks, token_ids: Sequence[int], full: int) -> list:
+        """`seq`'s block keys through its first `full` blocks, naming the blocks filled since its
+        last (decode, a partial prompt's tail) as `commit` registers them."""
+        hashes = seq.hashes
+        if len(hashes) < full:
+            i = len(hashes)
+            hashes += self.name_blocks(token_ids, self.block_size, cache_salt=seq.cache_salt,
+                                       parent=hashes[-1] if i else self._root, start_block=i, limit=full)
+        return hashes
 
     def _free_behind(self, seq: SeqBlocks, num_computed_tokens: int) -> None:
         dead = seq.dead

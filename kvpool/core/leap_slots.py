@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpool.core.hashing import root_hash
 from kvpool.core.kv_manager import KVCacheManager
 
 
@@ -43,15 +42,10 @@ def leap_slots(kv: KVCacheManager, seq_ids: Sequence[int], token_lists: Sequence
     filled: list[tuple[int, int]] = []  # (position, block index) of each block filled, in order
     if kv.enable_prefix_caching and fills:
         fills.sort()
-        name = kv.name_blocks
         for event in fills:
             i, j = divmod(event, b)
-            e = entries[j]
-            full = (e.num_tokens + i + 1) // B
-            hashes = e.hashes
-            if len(hashes) < full:  # named as `commit` names them, in the same order
-                hashes += name(token_lists[j], B, cache_salt=e.cache_salt,
-                               parent=hashes[-1] if hashes else root_hash(kv.namespace), start_block=len(hashes), limit=full)
+            full = (entries[j].num_tokens + i + 1) // B
+            kv.keys_upto(entries[j], token_lists[j], full)  # named as `commit` names them, in the same order
             filled.append((j, full - 1))
         keys = [entries[j].hashes[k] for j, k in filled]
         lookup = pool.lookup
