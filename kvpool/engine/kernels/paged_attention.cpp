@@ -1,14 +1,15 @@
 // Paged attention on CPU: every query row reads its own sequence's K/V through the block table,
 // so a step costs the sum of the rows' own contexts (no padding to the longest row, no gather of
 // whole contexts). One work unit is (sequence, KV head, a tile of query tokens): the G query
-// heads of a KV head and up to 16 rows share each K/V tile read (GQA without repeats). Keys are
+// heads of a KV head and up to 16 rows (32 on AMX) share each K/V tile read (GQA without repeats). Keys are
 // visited in tiles of 32 positions with an online softmax; long units are split across threads
 // (flash-decoding) at fixed positions and their partial (max, sum, acc) merged with log-sum-exp
 // weights in order, so a row's result is the same whatever shares its step.
 //
 // AMX path (bf16 queries over a bf16 cache, paged_attention_amx.h): both products on tiles, the
-// same bits for a row in any unit, so prefill chunks run here too instead of SDPA. A unit's
-// parts run on one thread one after another, or as separate tasks when there are few units.
+// same bits for a row in any unit, so prefill chunks run here too instead of SDPA; a chunk's V
+// tiles are laid out for the tiles once per call, not once per unit. A unit's parts run on one
+// thread one after another, or as separate tasks when there are few units.
 //
 // AVX-512 path: K/V rows are read in place from fp32 caches and, with AVX512-BF16 and bf16
 // queries, from bf16 caches (q.k by dpbf16: products of bf16 values are exact in fp32, only the
@@ -62,6 +63,8 @@ struct Problem {
   bool q_bf16;
   KV kv;
   int64_t kv_width;  // elements per token and KV head in the cache (D, or D + 4 bytes quantized)
+  const uint16_t* shared_values = nullptr;     // AMX path: a chunk's V tiles made once (share_values)
+  const int64_t* shared_values_at = nullptr;  // where each (sequence, KV head)'s are, or kNotShared
 };
 
 struct Unit {
@@ -783,7 +786,7 @@ using ItemFn = void (*)(const Problem&, const Unit&, int64_t, int64_t, Scratch&,
 ItemFn pick_item_fn(const Problem& p) {
 #ifdef __AVX512F__
 #ifdef KVPOOL_AMX
-  if (p.q_bf16 && p.kv == KV::kBF16 && p.head_dim % 32 == 0 && p.head_dim <= 256 && p.group <= kAmxMaxRows &&
+  if (p.q_bf16 && p.kv == KV::kBF16 && p.head_dim % 32 == 0 && p.head_dim <= 256 && p.group <= kBlockRows &&
       kvpool_amx::unavailable_reason().empty())
     return run_item_amx;
 #endif
@@ -820,11 +823,12 @@ void write_rows(const Problem& p, const Unit& u, const float* rows_out) {
   }
 }
 
-// Units of up to kRowsTarget rows; each unit's keys in items that end at fixed positions (the
+// Units of up to rows_target rows; each unit's keys in items that end at fixed positions (the
 // multiples of kSplit), tiles from a multiple of kTile: a row's sums follow its own positions
 // only, never the batch or the thread count (docs/determinism.md).
-void plan(const Problem& p, const int64_t* seqs, int64_t num_seqs, std::vector<Unit>& units, std::vector<Item>& items) {
-  const int64_t tokens_per_unit = std::max<int64_t>(1, kRowsTarget / p.group);
+void plan(const Problem& p, const int64_t* seqs, int64_t num_seqs, int64_t rows_target, std::vector<Unit>& units,
+          std::vector<Item>& items) {
+  const int64_t tokens_per_unit = std::max<int64_t>(1, rows_target / p.group);
   // A chunk's units one KV head at a time (they share that head's keys in L2); a decode row's
   // heads side by side (their keys share cache lines and pages: [block, slot, head, D]).
   for (int64_t i = 0; i < num_seqs; ++i) {
@@ -897,10 +901,17 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
             block_tables.data_ptr<int64_t>(), query_start.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
             query.stride(0), query.stride(1), block_tables.size(1), k_cache.size(1), kv_heads, heads / kv_heads, d,
             heads, static_cast<float>(scale), static_cast<float>(softcap), window, qt == at::kBFloat16, kv, width};
+  const ItemFn run_item = pick_item_fn(p);
+#ifdef KVPOOL_AMX
+  const bool tiles = run_item == run_item_amx;
+  const int64_t rows_target = tiles ? kAmxMaxRows : kRowsTarget;
+#else
+  const int64_t rows_target = kRowsTarget;
+#endif
   std::vector<Unit> units;
   std::vector<Item> items;
-  plan(p, seqs.data_ptr<int64_t>(), seqs.numel(), units, items);
-  const int64_t max_rows = std::max<int64_t>(kRowsTarget, p.group) + p.group;
+  plan(p, seqs.data_ptr<int64_t>(), seqs.numel(), rows_target, units, items);
+  const int64_t max_rows = std::max<int64_t>(rows_target, p.group) + p.group;
   const int64_t part = max_rows * (d + 2);  // m, l, acc of one item
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   // A unit's parts run on one thread, one after another, unless there are too few units to keep
@@ -915,9 +926,10 @@ void paged_attention_out(at::Tensor& out, const at::Tensor& query, const at::Ten
       if (units[items[i].unit].nsplit > 1) slot[i] = num_slots++;
   partials.resize(num_slots * part);
 
-  const ItemFn run_item = pick_item_fn(p);
 #ifdef KVPOOL_AMX
-  const bool tiles = run_item == run_item_amx;
+  thread_local std::vector<uint16_t> shared_buf;  // kept between calls: no page faults once warm
+  std::vector<int64_t> shared_at;
+  if (tiles) share_values(p, units, seq_lens.numel(), shared_buf, shared_at);
 #endif
   // Tasks are taken in small batches as threads come free: a long chunk's later units cost more
   // than its first, so a static split would leave one thread waiting.
