@@ -200,20 +200,10 @@ class SimInstance:
             batch = self.sched.plain_decode()
             if batch is None:
                 return
-            cost = self._plain_decode_cost([len(seq.token_ids) for _, seq in batch.seqs])
-            durations: list[float] = []
-            ends: list[float] = []
-            t = now
-            for i in range(batch.steps):  # each step's cost depends only on its context lengths
-                if not first and t >= until:
-                    break
-                duration = cost(i)
-                if duration == 0.0:
-                    break
-                first = False
-                t += duration
-                durations.append(duration)
-                ends.append(t)
+            # each step's cost depends only on its context lengths
+            durations, ends = self._plain_decode_times([len(seq.token_ids) for _, seq in batch.seqs], now, until,
+                                                       batch.steps, int(first))
+            first = first and not ends
             cut = len(ends) < batch.steps  # by the horizon or a step that takes no time
             k = min(len(ends), leap_steps(batch))
             if k > 1:
@@ -253,17 +243,30 @@ class SimInstance:
         c.generated_tokens = self.sched.num_generated_tokens
         return StepResult(sum(durations), batch_size=b, end=ends[-1], steps=k)
 
-    def _plain_decode_cost(self, lens: list[int]) -> Callable[[int], float]:
-        """Step i's time in a plain decode run from these context lengths (each i longer then):
-        the cost model's shortcut when it has one (`RooflineCostModel.plain_decode_time_of`, from
-        the batch size and the contexts' sum), else `step_time`."""
-        shortcut = getattr(self.cost_model, "plain_decode_time_of", None)
-        b = len(lens)
+    def _plain_decode_times(self, lens: list[int], start: float, until: float, most: int,
+                            least: int) -> tuple[list[float], list[float]]:
+        """Durations and end times of a plain decode run's steps from `start` over these context
+        lengths (each i longer at step i), while a step starts before `until` (the first `least`
+        regardless) and takes time: the cost model's shortcut when it has one
+        (`RooflineCostModel.plain_decode_steps`, from the batch size and the contexts' sum), else
+        `step_time` per step."""
+        shortcut = getattr(self.cost_model, "plain_decode_steps", None)
         if shortcut is not None:
-            total = sum(lens)
-            return lambda i: shortcut(b, total + i * b)
-        ones = [1] * b
-        return lambda i: self.cost_model.step_time(StepBatch(ones, [n + i for n in lens]))
+            return shortcut(len(lens), sum(lens), start, until, most, least)
+        durations: list[float] = []
+        ends: list[float] = []
+        ones = [1] * len(lens)
+        t = start
+        for i in range(most):
+            if i >= least and t >= until:
+                break
+            duration = self.cost_model.step_time(StepBatch(ones, [n + i for n in lens]))
+            if duration == 0.0:
+                break
+            t += duration
+            durations.append(duration)
+            ends.append(t)
+        return durations, ends
 
     def _decode_step(self, batch: DecodeBatch, duration: float, end: float) -> StepResult:
         """`step()` for a plain decode batch."""

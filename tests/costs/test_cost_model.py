@@ -139,3 +139,26 @@ def test_roofline_step_time_is_bit_identical_to_the_formula(seqs, setup):
     assert model.step_time(StepBatch(new, ctx)) == _roofline_by_the_formula(model, new, ctx)
     ones = [1] * len(ctx)
     assert model.plain_decode_time(ctx) == model.step_time(StepBatch(ones, ctx)) == _roofline_by_the_formula(model, ones, ctx)
+
+
+@settings(max_examples=100)
+@given(st.lists(st.integers(1, 100_000), min_size=1, max_size=40), st.integers(0, 60), st.integers(0, 1),
+       st.floats(0.0, 2.0), st.sampled_from([("llama2-70b", "a800-80gb", 8), ("opt-13b", "a100-40gb", 1)]))
+def test_a_plain_decode_run_costs_each_step_as_step_time_does(ctx, most, least, horizon, setup):
+    """The simulator's decode runs take their step times in one call: the same floats as
+    `step_time` per step (contexts one longer each step), summed into end times in order, cut
+    at the first step starting at or after `until` unless within the first `least`."""
+    name, hw, tp = setup
+    model = RooflineCostModel(get_model(name), get_hardware(hw), tp=tp)
+    start = 5.0
+    durations, ends = model.plain_decode_steps(len(ctx), sum(ctx), start, start + horizon, most, least)
+    want_d, want_e, t = [], [], start
+    for i in range(most):
+        if i >= least and t >= start + horizon:
+            break
+        d = model.step_time(StepBatch([1] * len(ctx), [c + i for c in ctx]))
+        t += d
+        want_d.append(d)
+        want_e.append(t)
+    assert durations == want_d and ends == want_e
+    assert len(ends) >= min(least, most)
