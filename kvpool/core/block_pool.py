@@ -217,7 +217,7 @@ class BlockPool:
                     raise KVStateError(f"block {b} is already free (double free)")
         finally:
             self._tokens_in_use -= released
-            self._evictable.insert_many(cached)
+            self._evictable.insert_new(cached)  # each was in use until now: none is evictable
 
     def add_tokens(self, block_id: int, n: int) -> None:
         """Record `n` more slots of an in-use block as holding tokens."""

@@ -15,6 +15,7 @@ from collections.abc import Hashable, Iterable, Iterator
 from itertools import repeat
 from typing import Protocol
 
+from kvpool.core.lru_stamps import DictStamps, ListStamps
 from kvpool.errors import ConfigError
 
 
@@ -34,6 +35,10 @@ class EvictionPolicy(Protocol):
     def insert_many(self, keys: Iterable[Hashable]) -> None:
         """`insert` each key, in order."""
 
+    def insert_new(self, keys: list[Hashable]) -> None:
+        """`insert_many` of distinct keys none of which is evictable now (a pool's blocks as
+        they are released): the policy may skip checking them."""
+
     def remove_many(self, keys: Iterable[Hashable]) -> None:
         """`remove` each key."""
 
@@ -52,6 +57,9 @@ class _Batched:
         for key in keys:
             self.insert(key)
 
+    def insert_new(self, keys: list[Hashable]) -> None:
+        self.insert_many(keys)
+
     def remove_many(self, keys: Iterable[Hashable]) -> None:
         for key in keys:
             self.remove(key)
@@ -60,107 +68,6 @@ class _Batched:
         if n > len(self):
             raise KeyError(f"{n} victims wanted, {len(self)} evictable")
         return [self.pop_victim() for _ in range(n)]
-
-
-class _DictStamps:
-    """Each evictable key's stamp, for any hashable keys."""
-
-    def __init__(self) -> None:
-        self._stamp_of: dict[Hashable, object] = {}
-
-    def live(self, keys: Iterable[Hashable], stamps: Iterable[object]) -> list[Hashable]:
-        """The keys whose stamp is the one at the same position of `stamps`."""
-        get = self._stamp_of.get
-        return [key for key, stamp in zip(keys, stamps, strict=True) if get(key) is stamp]
-
-    def take(self, keys: Iterable[Hashable], stamps: Iterable[object]) -> list[Hashable]:
-        """`live`, and forget those keys (victims: a key has at most one live entry)."""
-        stamp_of = self._stamp_of
-        out = [key for key, stamp in zip(keys, stamps, strict=True) if stamp_of.get(key) is stamp]
-        for key in out:
-            del stamp_of[key]
-        return out
-
-    def stamps(self, keys: Iterable[Hashable]) -> list[object]:
-        """The stamp of each key (all evictable)."""
-        return list(map(self._stamp_of.__getitem__, keys))
-
-    def assign(self, keys: list[Hashable], stamp: object) -> bool:
-        """Give every key `stamp`; True when a key repeats in `keys`."""
-        self._stamp_of.update(zip(keys, repeat(stamp)))
-        return len(keys) > 1 and len(set(keys)) < len(keys)
-
-    def drop(self, keys: Iterable[Hashable]) -> None:
-        """Forget the keys; KeyError at the first one not evictable."""
-        stamp_of = self._stamp_of
-        for key in keys:
-            del stamp_of[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._stamp_of
-
-    def __len__(self) -> int:
-        return len(self._stamp_of)
-
-
-class _ListStamps:
-    """`_DictStamps` for the ints 0 .. size-1 (a pool's block ids): a list slot per key
-    instead of a dict entry, so no hashing."""
-
-    def __init__(self, size: int) -> None:
-        self._stamp_of: list[object | None] = [None] * size
-        self._len = 0
-
-    def live(self, keys: Iterable[int], stamps: Iterable[object]) -> list[int]:
-        stamp_of = self._stamp_of
-        return [key for key, stamp in zip(keys, stamps, strict=True) if stamp_of[key] is stamp]
-
-    def take(self, keys: Iterable[int], stamps: Iterable[object]) -> list[int]:
-        # one pass: each victim's slot is read and cleared while it is in cache
-        stamp_of = self._stamp_of
-        out = []
-        for key, stamp in zip(keys, stamps, strict=True):
-            if stamp_of[key] is stamp:
-                stamp_of[key] = None
-                out.append(key)
-        self._len -= len(out)
-        return out
-
-    def stamps(self, keys: Iterable[int]) -> list[object]:
-        stamp_of = self._stamp_of
-        return [stamp_of[key] for key in keys]
-
-    def assign(self, keys: list[int], stamp: object) -> bool:
-        stamp_of = self._stamp_of
-        added = 0
-        repeated = False
-        for key in keys:
-            old = stamp_of[key]
-            if old is None:
-                added += 1
-            elif old is stamp:
-                repeated = True
-            stamp_of[key] = stamp
-        self._len += added
-        return repeated
-
-    def drop(self, keys: Iterable[int]) -> None:
-        stamp_of = self._stamp_of
-        dropped = 0
-        try:
-            for key in keys:
-                if stamp_of[key] is None:
-                    raise KeyError(key)
-                stamp_of[key] = None
-                dropped += 1
-        finally:
-            self._len -= dropped
-
-    def __contains__(self, key: object) -> bool:
-        return self._stamp_of[key] is not None  # type: ignore[index]
-
-    def __len__(self) -> int:
-        return self._len
 
 
 class LRUPolicy:
@@ -177,7 +84,7 @@ class LRUPolicy:
     """
 
     def __init__(self, num_keys: int | None = None) -> None:
-        self._slots = _DictStamps() if num_keys is None else _ListStamps(num_keys)
+        self._slots = DictStamps() if num_keys is None else ListStamps(num_keys)
         self._keys: list[Hashable] = []
         self._stamps: list[object] = []
         self._head = 0
@@ -209,6 +116,13 @@ class LRUPolicy:
             del log[start:], self._stamps[start:]
             for key in batch:
                 self.insert_many((key,))
+        self._compact()
+
+    def insert_new(self, keys: list[Hashable]) -> None:
+        stamp = object()
+        self._keys.extend(keys)
+        self._stamps.extend(repeat(stamp, len(keys)))
+        self._slots.assign_new(keys, stamp)
         self._compact()
 
     def remove_many(self, keys: Iterable[Hashable]) -> None:

@@ -134,3 +134,25 @@ def test_batch_operations_equal_their_single_operations_in_order(name, num_keys,
             assert batched.pop_victims(n) == [single.pop_victim() for _ in range(n)]
         assert len(batched) == len(single)
     assert batched.pop_victims(len(single)) == [single.pop_victim() for _ in range(len(single))]
+
+
+@settings(max_examples=200)
+@given(st.sampled_from(["lru", "lfu", "fifo"]), st.sampled_from([None, 10]), BATCHES)
+def test_inserting_keys_known_new_equals_insert_many(name, num_keys, batches):
+    """A pool releases blocks that were in use (none evictable, each once): `insert_new` skips
+    the checks and leaves the same order and size as `insert_many`."""
+    fast, checked = make_policy(name, num_keys), make_policy(name, num_keys)
+    for op, keys in batches:
+        if op == "insert":
+            keys = [k for k in dict.fromkeys(keys) if k not in checked]
+            fast.insert_new(keys)
+            checked.insert_many(keys)
+        elif op == "remove":
+            keys = [k for k in dict.fromkeys(keys) if k in checked]
+            fast.remove_many(keys)
+            checked.remove_many(keys)
+        else:
+            n = min(len(keys), len(checked))
+            assert fast.pop_victims(n) == checked.pop_victims(n)
+        assert len(fast) == len(checked)
+    assert fast.pop_victims(len(checked)) == checked.pop_victims(len(checked))
