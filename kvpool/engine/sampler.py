@@ -186,10 +186,16 @@ def process_logits(logits: Tensor, params: list[RowParams], allowed: Tensor | No
 
 
 def sample(logits: Tensor, params: list[RowParams], allowed: Tensor | None = None) -> SampleResult:
-    """One token per row of `logits` [N, V] (float32); `allowed` is an optional grammar mask."""
+    """One token per row of `logits` [N, V] (float32, or the model's bfloat16); `allowed` is an optional
+    grammar mask."""
     if logits.shape[0] != len(params):
         raise InvalidRequest(f"{logits.shape[0]} logits rows but {len(params)} sampling params")
-    raw = logits = logits.float()
+    max_n = max(p.num_logprobs for p in params)
+    # An all-greedy batch with nothing to apply and no top-N is read by the native ops as it is:
+    # bf16 logits are the float32 values they would become, so this only skips the [N, V] copy.
+    as_is = fused_ops.takes_logits(logits) and allowed is None and max_n == 0 and all(
+        p.temperature < _GREEDY_EPS and not (p.logit_bias or p.penalized or p.banned_token_ids) for p in params)
+    raw = logits = logits if as_is else logits.float()
     logits = process_logits(logits, params, allowed)
     native = fused_ops.takes_logits(raw)  # by dtype and device alone: the same path for any batch
     chosen = fused_ops.argmax_rows(logits) if native else logits.argmax(-1)
@@ -207,7 +213,6 @@ def sample(logits: Tensor, params: list[RowParams], allowed: Tensor | None = Non
         drawn = (probs / noise).argmax(-1)
         chosen = torch.where(t.greedy, chosen, drawn)
     top: list[list[tuple[int, float]]] | None = None
-    max_n = max(p.num_logprobs for p in params)
     if native:  # the logprobs wanted, no [N, V] log_softmax
         chosen_lp = fused_ops.log_softmax_at(raw, chosen.unsqueeze(1)).squeeze(1)
         if max_n:

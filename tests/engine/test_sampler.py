@@ -278,3 +278,24 @@ def test_native_sampling_ops_match_torchs_argmax_and_log_softmax():
     assert beside_top.logprobs == alone.logprobs  # bit for bit
     assert all(t[0] == (tok, lp) for t, tok, lp in zip(beside_top.top_logprobs[1::2], alone.token_ids[1::2],
                                                          alone.logprobs[1::2], strict=True))
+
+
+@pytest.mark.skipif(not fused_ops_available(), reason="fused CPU ops not built")
+def test_bf16_logits_read_as_they_are_give_the_float32_copys_tokens_and_logprobs():
+    """A plain greedy batch reads the model's bf16 logits in place (no [N, V] float32 copy): the
+    same tokens and logprobs, bit for bit, as the float32 copy gives, ties and the tail past 16
+    lanes included, and as a batch whose other rows need the copy (a penalty, top logprobs)."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(5, 49157, generator=gen) * 4).bfloat16()
+    logits[1, 7] = logits[1, 40000] = 50.0
+    logits[2, 49156] = 60.0
+    logits[3, 5:] = float("-inf")
+    assert torch.equal(fused_ops.argmax_rows(logits), fused_ops.argmax_rows(logits.float()))
+    ids = torch.randint(0, 49157, (5, 3), generator=gen)
+    assert torch.equal(fused_ops.log_softmax_at(logits, ids), fused_ops.log_softmax_at(logits.float(), ids))
+    greedy = [RowParams(temperature=0.0)] * 5
+    as_is, copied = sample(logits, greedy), sample(logits.float(), greedy)
+    assert as_is.token_ids == copied.token_ids == logits.float().argmax(-1).tolist()
+    assert as_is.logprobs == copied.logprobs  # bit for bit
+    mixed = sample(logits, greedy[:4] + [RowParams(temperature=0.0, num_logprobs=2)])
+    assert mixed.token_ids == as_is.token_ids and mixed.logprobs == as_is.logprobs

@@ -310,12 +310,20 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
 }
 
 
-// Sampling's passes over a step's [N, V] float32 logits, a row per task (torch's argmax and
-// log_softmax take 1-2 ms at 32 x 49k here, ~5x these). Each row alone, whatever N.
+// Sampling's passes over a step's [N, V] logits, float32 or the model's bfloat16 read as the
+// float32 values they are (exact), a row per task (torch's argmax and log_softmax take 1-2 ms at
+// 32 x 49k here, ~5x these). Each row alone, whatever N.
+
+inline float value(float v) { return v; }
+inline float value(bf16 v) { return static_cast<float>(v); }
+#ifdef __AVX512F__
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }  // (load16 of bf16: above)
+#endif
 
 // The first index of the row's maximum; a NaN counts as the maximum (the first NaN's index), as
 // torch.argmax.
-int64_t argmax_row(const float* x, int64_t n) {
+template <class T>
+int64_t argmax_row(const T* x, int64_t n) {
   int64_t i = 0, best_i = 0;
   float best = -std::numeric_limits<float>::infinity();
   bool nan = false;
@@ -326,7 +334,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     const __m512i step = _mm512_set1_epi32(16);
     __mmask16 unordered = 0;
     for (; i + 16 <= n; i += 16, at = _mm512_add_epi32(at, step)) {
-      const __m512 v = _mm512_loadu_ps(x + i);
+      const __m512 v = load16(x + i);
       unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       const __mmask16 greater = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);  // strictly: a lane keeps its first
       vbest = _mm512_mask_mov_ps(vbest, greater, v);
@@ -342,19 +350,21 @@ int64_t argmax_row(const float* x, int64_t n) {
   }
 #endif
   for (; i < n; ++i) {
-    if (std::isnan(x[i])) nan = true;
-    if (x[i] > best) best = x[i], best_i = i;
+    const float v = value(x[i]);
+    if (std::isnan(v)) nan = true;
+    if (v > best) best = v, best_i = i;
   }
   if (nan)
     for (int64_t j = 0; j < n; ++j)
-      if (std::isnan(x[j])) return j;
+      if (std::isnan(value(x[j]))) return j;
   return best_i;
 }
 
 // The two terms of log_softmax(x)[t] = (x[t] - max) - log(sum(exp(x - max))) as torch forms it
 // (but for the order of the sum and exp's last bits): (max, log of the sum); both NaN when the
 // row holds a NaN.
-std::pair<float, float> log_softmax_row(const float* x, int64_t n) {
+template <class T>
+std::pair<float, float> log_softmax_row(const T* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   bool nan = false;
   int64_t i = 0;
@@ -362,7 +372,7 @@ std::pair<float, float> log_softmax_row(const float* x, int64_t n) {
   __m512 vmax = _mm512_set1_ps(m);
   __mmask16 unordered = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 v = load16(x + i);
     unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     vmax = _mm512_max_ps(vmax, v);
   }
@@ -370,8 +380,8 @@ std::pair<float, float> log_softmax_row(const float* x, int64_t n) {
   m = _mm512_reduce_max_ps(vmax);
 #endif
   for (; i < n; ++i) {
-    nan |= std::isnan(x[i]);
-    m = std::max(m, x[i]);
+    nan |= std::isnan(value(x[i]));
+    m = std::max(m, value(x[i]));
   }
   if (nan) return {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::quiet_NaN()};
   i = 0;
@@ -379,17 +389,26 @@ std::pair<float, float> log_softmax_row(const float* x, int64_t n) {
 #ifdef __AVX512F__
   __m512 acc = _mm512_setzero_ps();
   const __m512 vm = _mm512_set1_ps(m);
-  for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm)));
+  for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(load16(x + i), vm)));
   sum = _mm512_reduce_add_ps(acc);
 #endif
-  for (; i < n; ++i) sum += std::exp(x[i] - m);
+  for (; i < n; ++i) sum += std::exp(value(x[i]) - m);
   return {m, std::log(sum)};
 }
 
 void check_logits(const at::Tensor& x, const char* what) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
-                  x.size(1) > 0,
-              what, ": contiguous float32 [N, V] CPU logits, V >= 1");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2 && x.is_contiguous() && x.size(1) > 0,
+              what, ": contiguous float32 or bfloat16 [N, V] CPU logits, V >= 1");
+}
+
+// f(rows) on the logits' elements as float32 or bf16
+template <class F>
+void with_rows(const at::Tensor& logits, const F& f) {
+  if (logits.scalar_type() == at::kFloat)
+    f(logits.data_ptr<float>());
+  else
+    f(logits.data_ptr<bf16>());
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
@@ -397,9 +416,10 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   const int64_t rows = logits.size(0), n = logits.size(1);
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  const float* x = logits.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * n, n);
+  with_rows(logits, [&](const auto* x) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * n, n);
+    });
   });
   return out;
 }
@@ -407,11 +427,13 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 std::tuple<at::Tensor, at::Tensor> log_softmax_parts(const at::Tensor& logits) {
   check_logits(logits, "log_softmax_parts");
   const int64_t rows = logits.size(0), n = logits.size(1);
-  at::Tensor top = at::empty({rows}, logits.options()), log_sum = at::empty({rows}, logits.options());
+  const auto options = logits.options().dtype(at::kFloat);
+  at::Tensor top = at::empty({rows}, options), log_sum = at::empty({rows}, options);
   float *t = top.data_ptr<float>(), *l = log_sum.data_ptr<float>();
-  const float* x = logits.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) std::tie(t[r], l[r]) = log_softmax_row(x + r * n, n);
+  with_rows(logits, [&](const auto* x) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) std::tie(t[r], l[r]) = log_softmax_row(x + r * n, n);
+    });
   });
   return {top, log_sum};
 }

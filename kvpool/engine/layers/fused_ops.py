@@ -44,9 +44,10 @@ def rope_write_kv(
 
 
 def takes_logits(logits: Tensor) -> bool:
-    """Whether the sampling ops take these logits (float32 rows on CPU, the kernel built)."""
-    return logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2 \
-        and logits.shape[1] > 0 and fused_ops_available()
+    """Whether the sampling ops take these logits (float32 or bfloat16 rows on CPU, the kernel
+    built); bfloat16 rows are read as the float32 values they are, so either gives the same result."""
+    return logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu" \
+        and logits.dim() == 2 and logits.shape[1] > 0 and fused_ops_available()
 
 
 def argmax_rows(logits: Tensor) -> Tensor:
@@ -58,4 +59,4 @@ def log_softmax_at(logits: Tensor, ids: Tensor) -> Tensor:
     """log_softmax(logits, -1).gather(-1, ids) ([N, k] ids), without the [N, V] result: every
     token's value from the same two row terms, so a token reads the same alone or in a top-k."""
     top, log_sum = torch.ops.kvpool_fused.log_softmax_parts(logits.contiguous())
-    return (logits.gather(-1, ids) - top.unsqueeze(1)) - log_sum.unsqueeze(1)
+    return (logits.gather(-1, ids).float() - top.unsqueeze(1)) - log_sum.unsqueeze(1)
