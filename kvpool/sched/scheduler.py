@@ -255,10 +255,11 @@ class Scheduler:
             budget -= self._emit(group, live, need, out)
             num_seqs += len(live)
         waiting, order = self.waiting, self.waiting_order
+        admitted_work = 0  # prompt tokens this step computes for the groups it admits
         while waiting and budget > 0:
             group = order.pick(waiting)
             live = group.live_seqs
-            if num_seqs + len(live) > max_seqs:
+            if num_seqs + len(live) > max_seqs or order.defers(group, admitted_work):
                 break
             chunk = self.admission.admit(group, out, budget)
             if not chunk:
@@ -273,7 +274,9 @@ class Scheduler:
                 break
             order.admitted(waiting, group)
             running.append(group)
-            budget -= self._emit(group, live, need, out)
+            emitted = self._emit(group, live, need, out)
+            budget -= emitted
+            admitted_work += emitted
             num_seqs += len(live)
 
     def postprocess(

@@ -108,3 +108,44 @@ def test_prompt_logprobs_requests_get_no_preference() -> None:
 def test_an_unknown_policy_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="scheduling_policy"):
         SchedulerConfig(num_blocks=8, scheduling_policy="priority")
+
+
+def first_step(s: Scheduler) -> list[str]:
+    """The request ids the next step schedules (then the step runs)."""
+    out = s.schedule()
+    s.postprocess(out, [Sample([7]) for _ in out.sampling])
+    return [x.group.request_id for x in out.scheduled]
+
+
+@pytest.mark.parametrize("policy,together", [("fcfs", True), ("shortest-prefill", False)])
+def test_shortest_prefill_starts_a_long_prompt_a_step_after_the_short_ones(policy: str, together: bool) -> None:
+    """A step costs what its tokens cost: a cache hit admitted beside a long cold prompt waits
+    out that prompt's prefill for its first token. Shortest-prefill leaves the long one (over
+    4x the step's admitted work and over 256 tokens) to the next step; FCFS takes both."""
+    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=512,
+                                  max_model_len=512, scheduling_policy=policy))
+    add(s, "warm", SHARED + [1, 2, 3], 0.0)
+    admission_order(s)
+    add(s, "long", list(range(500, 800)), 1.0)  # 300 tokens to compute
+    add(s, "hot", SHARED + [9, 9, 9], 2.0)  # 3 (64 cached)
+    add(s, "short", list(range(900, 940)), 3.0)  # 40: under 4x the hit's work and 256, admitted beside it
+    first = first_step(s)
+    assert sorted(first) == (["hot", "long", "short"] if together else ["hot", "short"]), first
+    if not together:
+        assert "long" in first_step(s)
+
+
+def test_a_deferred_long_prompt_is_started_at_the_bypass_bound() -> None:
+    """With a later hit admitted ahead of it before every step, the long prompt starts in the step
+    that passes it over for the `max_bypass`-th time (3 here), not never."""
+    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=512,
+                                  max_model_len=512, scheduling_policy="shortest-prefill", max_bypass=3))
+    add(s, "warm", SHARED + [1, 2, 3], 0.0)
+    admission_order(s)
+    add(s, "long", list(range(500, 800)), 1.0)
+    steps = []
+    for i in range(4):
+        add(s, f"hot{i}", SHARED + [i, i, i], 2.0 + i)
+        steps.append(first_step(s))
+    started = next(i for i, ids in enumerate(steps) if "long" in ids)
+    assert started == 2, steps
