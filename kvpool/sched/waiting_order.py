@@ -12,10 +12,10 @@ mostly cached prompt does not wait out a long one's prefill (mean TTFT falls; a 
 waits longer, up to the bound). Under shortest-prefill a step that admitted short prompts also
 leaves a long one (over 4x their work and over 256 tokens) to the next step: a step costs what
 its tokens cost, so a cache hit admitted beside a miss would wait out the miss's whole prefill
-for its first token (measured under fcfs: 64-token hits at 547 ms beside a 1,088-token miss, ~50 ms alone).
-Either way a group passed over `max_bypass` times is admitted next whatever its hit (a
-deferred one is never deferred once at its bound), so no request waits without bound. Pure and clock-free: the bound counts admissions, not
-seconds.
+for its first token (measured under fcfs: a 64-token hit at 545 ms beside a 1,088-token miss,
+~50 ms alone). Either way a group passed over `max_bypass` times is admitted next whatever its
+hit (and is no longer deferred), so no request waits without bound. Pure and clock-free: the
+bound counts admissions, not seconds.
 """
 
 from __future__ import annotations
