@@ -177,26 +177,18 @@ class RooflineCostModel:
         """Durations and end times of up to `most` plain decode steps from `start`, step i over
         contexts summing to `context_tokens + i * num_seqs`, while a step starts before `until`
         (the first `least` regardless): `plain_decode_time_of` per step, in one loop (a simulated
-        decode instance costs 1.5M steps over the conversation trace). The same expressions, so
-        the same floats."""
+        decode instance costs 1.5M steps over the conversation trace) calling `_time` directly."""
         durations: list[float] = []
         ends: list[float] = []
         if not num_seqs:
             return durations, ends
-        per_pair, per_token, kv_bytes = self._attn_flops_per_pair, self._flops_per_token, self._kv_bytes_per_token
-        tp, flops_per_s, bytes_per_s, weights = self.tp.tp, self._flops_per_s, self._bytes_per_s, self._weight_bytes
-        fixed = self._allreduce.get(num_seqs)
-        if fixed is None:
-            fixed = self._allreduce[num_seqs] = self.tp.allreduce_seconds(num_seqs)
-        overhead = self.overhead_s
+        per_pair, time_of = self._attn_flops_per_pair, self._time
         t = start
         ctx = context_tokens
         for i in range(most):
             if i >= least and t >= until:
                 break
-            flops = per_token * num_seqs + per_pair * ctx
-            nbytes = weights + kv_bytes * (ctx + num_seqs)
-            duration = max(flops / tp / flops_per_s, nbytes / bytes_per_s) + fixed + overhead
+            duration = time_of(num_seqs, per_pair * ctx, ctx)
             t += duration
             durations.append(duration)
             ends.append(t)

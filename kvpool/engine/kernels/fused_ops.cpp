@@ -48,6 +48,8 @@ bool batch_invariant() {
 }
 
 #ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
 inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
@@ -316,9 +318,6 @@ std::tuple<at::Tensor, at::Tensor> rope_write_kv(const at::Tensor& qkv, const at
 
 inline float value(float v) { return v; }
 inline float value(bf16 v) { return static_cast<float>(v); }
-#ifdef __AVX512F__
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }  // (load16 of bf16: above)
-#endif
 
 // The first index of the row's maximum; a NaN counts as the maximum (the first NaN's index), as
 // torch.argmax.
