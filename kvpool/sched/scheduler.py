@@ -12,9 +12,11 @@ Policy, in order, each step:
    when a group needs a block and none is free, the latest-arrived running group is
    preempted whole (swap or recompute) until it fits, so the oldest always progresses;
 2. swapped groups, oldest first, back in when their blocks fit above the watermark;
-3. waiting groups, oldest first (FCFS) or cache hits first within a bypass bound
+3. waiting groups, oldest first (FCFS), cache hits or least work first within a bypass bound
    (`WaitingOrder`, waiting_order.py), admitted while the budget, `max_num_seqs` and the
-   free blocks above the watermark allow; prefix-cache hits skip their tokens.
+   free blocks above the watermark allow; prefix-cache hits skip their tokens. Under
+   shortest-prefill a part-computed prompt's next chunk waits in step 1 until the shorter
+   waiting prompts are admitted.
 No group is admitted or swapped in during a step that preempted.
 The policies are parts, each given the KV manager and what else it needs: `Admission`
 (admission.py), `Preemption` (preemption.py), `Stops` (stops.py), `BeamSearch` (beam.py),
@@ -33,6 +35,7 @@ from kvpool.core.rewind import rewind as rewind_kv
 from kvpool.errors import InvalidRequest, KVStateError
 from kvpool.sched.admission import Admission
 from kvpool.sched.beam import BeamSearch
+from kvpool.sched.chunks import tokens_wanted
 from kvpool.sched.config import SchedulerConfig
 from kvpool.sched.decode_batch import DecodeBatch, plain_decode
 from kvpool.sched.forks import Forks
@@ -223,8 +226,9 @@ class Scheduler:
     def _plan(self, out: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
-        running = self.running
-        reserve = self.preemption.reserve_decode_slots
+        running, order = self.running, self.waiting_order
+        reserve, chunked = self.preemption.reserve_decode_slots, self.config.enable_chunked_prefill
+        partials: list[tuple[int, SequenceGroup]] = []  # (tokens left, group): offered the step after shorter prompts
         num_seqs = 0
         i = 0
         while i < len(running):
@@ -232,8 +236,13 @@ class Scheduler:
             if group.pending_kv_loads:
                 i += 1
                 continue
+            left = order.competes(group, self.waiting)
+            if left:
+                partials.append((left, group))
+                i += 1
+                continue
             live = group.live_seqs
-            need = self._tokens_wanted(live, budget)
+            need = tokens_wanted(live, budget, chunked)
             if need is None or num_seqs + len(live) > max_seqs:
                 break
             if not reserve(group, live, out, wanted=need):
@@ -242,24 +251,51 @@ class Scheduler:
             num_seqs += len(live)
             i += 1
         if out.preempted:
+            for _, group in partials:
+                group.num_bypassed += 1  # sits this step out too (counted: the bound holds)
             return
         swapped = self.swapped
         while swapped:
             group = swapped[0]
             live = group.live_seqs
-            need = self._tokens_wanted(live, budget)
+            need = tokens_wanted(live, budget, chunked)
             if need is None or num_seqs + len(live) > max_seqs:
                 return
             if not self.preemption.swap_in(group, live, need, out):
                 return
             budget -= self._emit(group, live, need, out)
             num_seqs += len(live)
-        waiting, order = self.waiting, self.waiting_order
-        admitted_work = 0  # prompt tokens this step computes for the groups it admits
+        work = 0  # prompt tokens this step computes for the groups it admits
+        if partials:
+            budget, num_seqs, work = self._admit(out, budget, num_seqs, work, below=min(p[0] for p in partials))
+            for left, group in partials:
+                live = group.live_seqs
+                if order.defers(group, work, left):
+                    group.num_bypassed += 1  # it sat this step out for shorter prompts
+                    continue
+                need = tokens_wanted(live, budget, chunked)
+                if need is None or num_seqs + len(live) > max_seqs:
+                    continue
+                if not reserve(group, live, out, may_preempt=False, wanted=need):
+                    continue
+                emitted = self._emit(group, live, need, out)
+                budget -= emitted
+                work += emitted
+                num_seqs += len(live)
+        self._admit(out, budget, num_seqs, work)
+
+    def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int, work: int,
+               below: int | None = None) -> tuple[int, int, int]:
+        """Admit waiting groups in the waiting order while the budget, `max_num_seqs` and the
+        blocks last (with `below`: only those with fewer prompt tokens to compute). `work`: the
+        prompt tokens this step computes so far. Returns the budget, seats and work after."""
+        waiting, order, running = self.waiting, self.waiting_order, self.running
         while waiting and budget > 0:
             group = order.pick(waiting)
             live = group.live_seqs
-            if num_seqs + len(live) > max_seqs or order.defers(group, admitted_work):
+            if num_seqs + len(live) > self.config.max_num_seqs or order.defers(group, work):
+                break
+            if below is not None and order.prefill_work(group) >= below:
                 break
             chunk = self.admission.admit(group, out, budget)
             if not chunk:
@@ -268,7 +304,7 @@ class Scheduler:
                 order.admitted(waiting, group)
                 running.append(group)
                 continue
-            need = self._tokens_wanted(live, chunk)
+            need = tokens_wanted(live, chunk, self.config.enable_chunked_prefill)
             if need is None:
                 self.admission.unadmit(group, out)
                 break
@@ -276,8 +312,9 @@ class Scheduler:
             running.append(group)
             emitted = self._emit(group, live, need, out)
             budget -= emitted
-            admitted_work += emitted
+            work += emitted
             num_seqs += len(live)
+        return budget, num_seqs, work
 
     def postprocess(
         self, out: SchedulerOutput, sampled: list[Sample | None], constraint: ConstraintHook | None = None
@@ -338,35 +375,6 @@ class Scheduler:
         return self.forks.fork(group, parent)
 
     # -- internals -------------------------------------------------------------------------
-    def _tokens_wanted(self, live: list[Sequence], budget: int) -> list[int] | None:
-        """Tokens each live sequence of a group computes this step (0 = sits out), or None if
-        the group cannot run: decode tokens are all or nothing, prefill chunks share what is left."""
-        if len(live) == 1:  # the common case, on the hot path
-            seq = live[0]
-            remaining = len(seq.token_ids) - seq.num_computed_tokens
-            if remaining == 1:
-                return [1] if budget >= 1 else None
-            if remaining < 1:
-                return None
-            take = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
-            return [take] if 0 < take <= budget else None
-        wanted = [0] * len(live)
-        for i, seq in enumerate(live):
-            if len(seq.token_ids) - seq.num_computed_tokens == 1:
-                wanted[i] = 1
-        budget -= sum(wanted)
-        if budget < 0:
-            return None
-        for i, seq in enumerate(live):
-            remaining = len(seq.token_ids) - seq.num_computed_tokens
-            if remaining > 1:
-                take = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
-                if take > budget:
-                    return None
-                wanted[i] = take
-                budget -= take
-        return wanted if any(wanted) else None
-
     def _emit(self, group: SequenceGroup, live: list[Sequence], wanted: list[int], out: SchedulerOutput) -> int:
         group.first_scheduled = True
         scheduled = out.scheduled

@@ -13,7 +13,10 @@ waits longer, up to the bound). Under shortest-prefill a step that admitted shor
 leaves a long one (over 4x their work and over 256 tokens) to the next step: a step costs what
 its tokens cost, so a cache hit admitted beside a miss would wait out the miss's whole prefill
 for its first token (measured under fcfs: a 64-token hit at 545 ms beside a 1,088-token miss,
-~50 ms alone). Either way a group passed over `max_bypass` times is admitted next whatever its
+~50 ms alone). A prompt already part-computed (chunked) competes the same way: shorter waiting
+prompts are admitted before its next chunk, and a step that admitted them leaves that chunk to the
+next step when the prompt is long next to them, so a short prompt arriving during a long prompt's
+prefill waits for the step in flight, not for every chunk left. Either way a group passed over `max_bypass` times is admitted next whatever its
 hit (and is no longer deferred), so no request waits without bound. Pure and clock-free: the
 bound counts admissions, not seconds.
 """
@@ -59,13 +62,32 @@ class WaitingOrder:
                 best, best_score = group, s
         return best
 
-    def defers(self, group: SequenceGroup, admitted_work: int) -> bool:
+    def defers(self, group: SequenceGroup, admitted_work: int, work: int | None = None) -> bool:
         """Whether `group` waits for the next step because this one already admitted shorter
-        prompts (`admitted_work`: the tokens they compute) that its long prefill would hold up.
-        Not at its bypass bound: the later arrivals admitted ahead of it count against that."""
+        prompts (`admitted_work`: the tokens they compute) that its long prefill (`work` tokens
+        left; by default its whole prefill) would hold up. Not at its bypass bound: the later
+        arrivals admitted ahead of it and the steps it sat out count against that."""
         if self.policy != "shortest-prefill" or not admitted_work or group.num_bypassed >= self.max_bypass:
             return False
-        return -self._negated_prefill(group) > max(LONG_MIN_TOKENS, LONG_RATIO * admitted_work)
+        if work is None:
+            work = -self._negated_prefill(group)
+        return work > max(LONG_MIN_TOKENS, LONG_RATIO * admitted_work)
+
+    def competes(self, group: SequenceGroup, waiting: deque[SequenceGroup]) -> int:
+        """Shortest-prefill: the prompt tokens a running, part-computed `group` has left when
+        it competes with the waiting ones for this step (they are offered the step first), else
+        0 (it runs where it stands: another policy, nobody waiting, decoding, or at its bound)."""
+        if self.policy != "shortest-prefill" or not waiting or group.num_bypassed >= self.max_bypass:
+            return 0
+        live = group.live_seqs
+        if len(live) != 1:
+            return 0
+        left = len(live[0].token_ids) - live[0].num_computed_tokens
+        return left if left > 1 else 0
+
+    def prefill_work(self, group: SequenceGroup) -> int:
+        """The prompt tokens a waiting `group`'s admission would compute (its prompt less its hit)."""
+        return -self._negated_prefill(group)
 
     def admitted(self, waiting: deque[SequenceGroup], group: SequenceGroup) -> None:
         """`group` leaves the queue: every earlier arrival it went ahead of is passed over once."""

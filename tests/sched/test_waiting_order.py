@@ -149,3 +149,49 @@ def test_a_deferred_long_prompt_is_started_at_the_bypass_bound() -> None:
         steps.append(first_step(s))
     started = next(i for i, ids in enumerate(steps) if "long" in ids)
     assert started == 2, steps
+
+
+def chunked(policy: str, max_bypass: int = 8) -> Scheduler:
+    """A 256-token budget: a 600-token prompt takes three chunks."""
+    s = Scheduler(SchedulerConfig(num_blocks=128, block_size=16, max_num_seqs=4, max_num_batched_tokens=256,
+                                  max_model_len=1024, scheduling_policy=policy, max_bypass=max_bypass))
+    add(s, "long", list(range(2000, 2600)), 0.0)
+    assert first_step(s) == ["long"]  # its first chunk is computed: it is running, part-computed
+    return s
+
+
+@pytest.mark.parametrize("policy,alone", [("fcfs", False), ("shortest-prefill", True)])
+def test_a_short_prompt_runs_before_a_long_prompts_next_chunk(policy: str, alone: bool) -> None:
+    """A short prompt arriving during a long prompt's chunked prefill: FCFS gives the long one's
+    next chunk the budget first (the short one waits for every chunk left, its first token
+    with them); shortest-prefill runs the short one in a step of its own, then the long one
+    goes on where it stood."""
+    s = chunked(policy)
+    add(s, "short", list(range(900, 940)), 1.0)  # 40 tokens: a step with it holds no chunk of 344 left
+    step = first_step(s)
+    if alone:
+        assert step == ["short"], step
+        assert "long" in first_step(s)  # then its next chunk
+    else:
+        assert step == ["long"], step  # the whole budget
+    assert admission_order(s).count("long") == 1  # and it finishes either way
+
+
+def test_a_part_computed_prompt_shares_the_step_with_prompts_that_are_not_much_shorter() -> None:
+    """The chunk waits only for prompts under a quarter of its own work: a 200-token prompt
+    beside 344 tokens left is admitted first and the long one takes what is left of the budget."""
+    s = chunked("shortest-prefill")
+    add(s, "medium", list(range(900, 1100)), 1.0)
+    out = s.schedule()
+    assert [(x.group.request_id, x.num_new_tokens) for x in out.scheduled] == [("medium", 200), ("long", 56)]
+
+
+def test_a_part_computed_prompt_sits_out_at_most_max_bypass_steps() -> None:
+    """With a short prompt arriving before every step, the long one's next chunk still runs in
+    the step after it sat out `max_bypass` (2 here) steps."""
+    s = chunked("shortest-prefill", max_bypass=2)
+    steps = []
+    for i in range(4):
+        add(s, f"s{i}", list(range(3000 + 50 * i, 3020 + 50 * i)), 1.0 + i)
+        steps.append(first_step(s))
+    assert ["long" in ids for ids in steps] == [False, False, True, True], steps
