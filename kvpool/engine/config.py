@@ -118,7 +118,9 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides kv_cache_memory (tests, experiments)
     swap_space: str = "1GiB"  # host KV pool for swap preemption
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # A step's tokens: on CPU a 1,024-token chunk costs per token what a 2,048 one does, and a
+    # prompt or decode arriving mid-step waits half as long (docs/performance.md, 2026-12-05).
+    max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
