@@ -273,8 +273,8 @@ at::Tensor linear_amx_vnni(const at::Tensor& x, const StripAt& strip_at, int64_t
     // Several passes: the pair is dequantized whole, the next one a little after each group's
     // products of this one's passes, so the vector work runs beside the tiles'.
     load_tile_config();
-    thread_local std::vector<bf16> pairs;
-    pairs.resize(4 * strip_size);
+    thread_local std::vector<bf16> pairs;  // grown, never shrunk: a resize back up would zero it again
+    if (pairs.size() < static_cast<size_t>(4 * strip_size)) pairs.resize(4 * strip_size);
     const auto make_group = [&](int64_t pr, int64_t unit, bf16* dst) {  // unit: strip (of 2) x group
       const int64_t half = unit / groups, g = unit % groups;
       strip_at(half ? second(2 * pr) : 2 * pr).group(g).dequant(dst + half * strip_size + g * kTileRows * kGroup);
