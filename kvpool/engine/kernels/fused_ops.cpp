@@ -31,9 +31,12 @@ using namespace kvpool_vec;  // exp16, exp8
 
 using bf16 = c10::BFloat16;
 // Rows one thread takes at least: a decode step's elementwise work is microseconds, less than
-// waking a second thread costs (on a shared machine far less), so steps of up to 64 rows stay on
-// one; prefill steps split their rows over every thread.
-constexpr int64_t kRowsPerThread = 64;
+// waking a second thread costs (on a shared machine far less), so steps of up to 32 rows stay on
+// one; a prefix hit's 64-token step and prefill steps split their rows over every thread.
+constexpr int64_t kRowsPerThread = 32;
+// Steps of more rows than this sum a norm's squares in 16 lanes even when not batch-invariant
+// (as before: the split above does not change which rows do).
+constexpr int64_t kLaneRows = 64;
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
 
@@ -132,7 +135,7 @@ template <class T>
 void norm_rows(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps,
                at::Tensor& out, at::Tensor& sum) {
   const int64_t rows = x.size(0), n = x.size(1);
-  const bool add = residual.has_value(), lanes = batch_invariant() || rows > kRowsPerThread;
+  const bool add = residual.has_value(), lanes = batch_invariant() || rows > kLaneRows;
   const T* wp = weight.data_ptr<T>();
   at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(n);
