@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -247,6 +248,10 @@ def main(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     print(f"kvpool serving {name!r} on {url}\n  curl {url}/v1/completions -H 'Content-Type: application/json'"
           f"{auth} -d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)
+    # What is alive now (model, tokenizer, app: ~190k objects for the bundled model) lives as long
+    # as the process: frozen, a full collection no longer walks it on the engine thread (55 ms).
+    gc.collect()
+    gc.freeze()
     server.run()
     logger.info("server stopped")
     return 0
