@@ -80,7 +80,7 @@ class SequenceGroup:
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled: bool = False
-    num_bypassed: int = 0  # times passed over: later arrivals admitted first, steps its next chunk sat out (waiting_order.py)
+    num_bypassed: int = 0  # times passed over: later arrivals admitted first, steps sat out (waiting_order.py)
     forked: bool = False
     pending_kv_loads: set[int] = field(default_factory=set)  # external KV loads in flight (ids)
     prompt_sources: PromptSources | None = None  # where its prompt's KV came from (with a MissLedger)

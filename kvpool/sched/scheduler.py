@@ -266,8 +266,10 @@ class Scheduler:
             budget -= self._emit(group, live, need, out)
             num_seqs += len(live)
         work = 0  # prompt tokens this step computes for the groups it admits
+        computing = order.computing(running) if self.waiting else None
         if partials:
-            budget, num_seqs, work = self._admit(out, budget, num_seqs, work, below=min(p[0] for p in partials))
+            budget, num_seqs, work = self._admit(out, budget, num_seqs, work, computing,
+                                                 below=min(p[0] for p in partials))
             for left, group in partials:
                 live = group.live_seqs
                 if order.defers(group, work, left):
@@ -282,16 +284,20 @@ class Scheduler:
                 budget -= emitted
                 work += emitted
                 num_seqs += len(live)
-        self._admit(out, budget, num_seqs, work)
+        self._admit(out, budget, num_seqs, work, computing)
 
-    def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int, work: int,
+    def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int, work: int, computing: set | None,
                below: int | None = None) -> tuple[int, int, int]:
         """Admit waiting groups in the waiting order while the budget, `max_num_seqs` and the
         blocks last (with `below`: only those with fewer prompt tokens to compute). `work`: the
-        prompt tokens this step computes so far. Returns the budget, seats and work after."""
+        prompt tokens this step computes so far; `computing`: the prompt blocks running groups
+        compute (`WaitingOrder.awaits`), grown by each admission. Returns the budget, seats and
+        work after."""
         waiting, order, running = self.waiting, self.waiting_order, self.running
         while waiting and budget > 0:
-            group = order.pick(waiting)
+            group = order.pick(waiting, computing)
+            if group is None:
+                break
             live = group.live_seqs
             if num_seqs + len(live) > self.config.max_num_seqs or order.defers(group, work):
                 break
@@ -314,6 +320,8 @@ class Scheduler:
             budget -= emitted
             work += emitted
             num_seqs += len(live)
+            if computing is not None:
+                computing |= order.computing((group,)) or set()
         return budget, num_seqs, work
 
     def postprocess(

@@ -14,17 +14,18 @@ leaves a long one (over 4x their work and over 256 tokens) to the next step: a s
 its tokens cost, so a cache hit admitted beside a miss would wait out the miss's whole prefill
 for its first token (measured under fcfs: a 64-token hit at 545 ms beside a 1,088-token miss,
 ~50 ms alone). A prompt already part-computed (chunked) competes the same way: shorter waiting
-prompts are admitted before its next chunk, and a step that admitted them leaves that chunk to the
-next step when the prompt is long next to them, so a short prompt arriving during a long prompt's
-prefill waits for the step in flight, not for every chunk left. Either way a group passed over `max_bypass` times is admitted next whatever its
-hit (and is no longer deferred), so no request waits without bound. Pure and clock-free: the
-bound counts admissions, not seconds.
+prompts are admitted before its next chunk, and a step that admitted them leaves that chunk to
+the next step when the prompt is long next to them, so a short prompt arriving during a long
+prompt's prefill waits for the step in flight, not for every chunk left (`competes`). Either way
+a group passed over `max_bypass` times (admissions ahead of it, steps its chunk sat out) is
+admitted or run next whatever its hit, so no request waits without bound. Pure and clock-free:
+the bound counts admissions and steps, not seconds.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvpool.core.hashing import BlockHash
 from kvpool.core.kv_manager import KVCacheManager
@@ -46,21 +47,49 @@ class WaitingOrder:
         self.window = window
         self.num_reordered = 0  # admissions that went ahead of an earlier arrival
 
-    def pick(self, waiting: deque[SequenceGroup]) -> SequenceGroup:
-        """The group to try next (the queue is not empty)."""
+    def pick(self, waiting: deque[SequenceGroup], computing: set[BlockHash] | None = None) -> SequenceGroup | None:
+        """The group to try next (the queue is not empty), or None when every candidate awaits
+        blocks a running prompt is computing now (`computing`: their hashes; see `awaits`)."""
         head = waiting[0]
-        if self.policy == "fcfs" or len(waiting) == 1 or head.num_bypassed >= self.max_bypass:
+        if self.policy == "fcfs" or head.num_bypassed >= self.max_bypass or (len(waiting) == 1 and not computing):
             return head
         score = self._cached_tokens if self.policy == "cache-aware" else self._negated_prefill
-        best, best_score = head, score(head)
-        for i in range(1, min(len(waiting), self.window)):
+        best, best_score = None, 0
+        for i in range(min(len(waiting), self.window)):
             group = waiting[i]
             if group.num_bypassed >= self.max_bypass:
-                break  # an earlier arrival at its bound: it, not a later hit, is owed the turn
+                return group if best is None else best  # an earlier arrival at its bound is owed the turn
+            if computing and self.awaits(group, computing):
+                continue
             s = score(group)
-            if s > best_score:
+            if best is None or s > best_score:
                 best, best_score = group, s
         return best
+
+    def computing(self, groups: Iterable[SequenceGroup]) -> set[BlockHash] | None:
+        """The hashes of the prompt blocks running `groups` hold but have not computed yet (the
+        ones `awaits` waits for); None under FCFS, which admits in arrival order regardless."""
+        if self.policy == "fcfs" or not self.kv.enable_prefix_caching:
+            return None
+        block_size, hashes = self.kv.block_size, set()
+        for group in groups:
+            seq = group.seqs[0]
+            if group.prompt_hashes and seq.num_computed_tokens < seq.prompt_len:
+                hashes.update(group.prompt_hashes[seq.num_computed_tokens // block_size:])
+        return hashes
+
+    def awaits(self, group: SequenceGroup, computing: set[BlockHash]) -> bool:
+        """Whether `group`'s next prompt block past its device hit is one a running prompt is
+        computing now (the same tokens, the same salt): it waits for that hit rather than
+        computing the block again beside it (cache-aware and shortest-prefill; within the bound)."""
+        if not self.kv.enable_prefix_caching or group.params.prompt_logprobs is not None:
+            return False
+        seq = group.seqs[0]
+        hashes = self.hashes(group, seq)
+        if len(seq.token_ids) != seq.prompt_len or not hashes:
+            return False
+        block = self.kv.match_prefix(hashes, seq.prompt_len).num_tokens // self.kv.block_size
+        return block < len(hashes) and hashes[block] in computing
 
     def defers(self, group: SequenceGroup, admitted_work: int, work: int | None = None) -> bool:
         """Whether `group` waits for the next step because this one already admitted shorter

@@ -195,3 +195,26 @@ def test_a_part_computed_prompt_sits_out_at_most_max_bypass_steps() -> None:
         add(s, f"s{i}", list(range(3000 + 50 * i, 3020 + 50 * i)), 1.0 + i)
         steps.append(first_step(s))
     assert ["long" in ids for ids in steps] == [False, False, True, True], steps
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "shortest-prefill"])
+def test_a_prompt_waits_for_the_prefix_blocks_a_running_prompt_is_computing(policy: str) -> None:
+    """A prompt that shares its next uncached blocks with a prompt still being computed waits
+    for them to land as a hit (cache-aware and shortest-prefill) instead of computing them
+    again beside it; FCFS admits it at once and computes them twice."""
+    s = Scheduler(SchedulerConfig(num_blocks=128, block_size=16, max_num_seqs=4, max_num_batched_tokens=256,
+                                  max_model_len=1024, scheduling_policy=policy))
+    long = list(range(2000, 2400))  # 25 blocks: chunks of 256 and 144
+    add(s, "long", long, 0.0)
+    assert first_step(s) == ["long"]  # blocks 0-15 computed (cached), 16-24 still to compute
+    add(s, "twin", long[:384] + list(range(5000, 5040)), 1.0)  # the same first 24 blocks, then its own
+    out = s.schedule()
+    s.postprocess(out, [Sample([7]) for _ in out.sampling])
+    twin = [x for x in out.scheduled if x.group.request_id == "twin"]
+    if policy == "fcfs":
+        assert [(x.start, x.num_new_tokens) for x in twin] == [(256, 112)]  # blocks 16-22 again
+        return
+    assert not twin  # it waits while "long" computes blocks 16-24
+    out = s.schedule()
+    assert [(x.group.request_id, x.start, x.num_new_tokens) for x in out.scheduled if x.group.request_id == "twin"] \
+        == [("twin", 384, 40)]  # 24 blocks hit: only its own 40 tokens computed
