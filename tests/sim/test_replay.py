@@ -6,6 +6,7 @@ machine, reproduces the recorded hit rate within 2 points and mean TTFT within 1
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -131,8 +132,12 @@ def test_replay_at_the_recorded_configuration_reproduces_the_server(tmp_path: Pa
     from kvpool.engine.config import EngineConfig
     from tests.serve.conftest import start_server
 
+    # The same thread count for the server and the profile: an in-process engine of an earlier
+    # test (threads=1) leaves torch on one thread, and a one-thread profile made the replay 41-51%
+    # slower than a two-thread server.
+    num_threads = len(os.sched_getaffinity(0))
     log = tmp_path / "requests.jsonl"
-    server = start_server(*SERVER, "--record-requests", str(log))
+    server = start_server(*SERVER, "--threads", str(num_threads), "--record-requests", str(log))
     model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
     rng = random.Random(7)
     t0, errors, threads, at = time.monotonic() + 0.5, [], [], 0.0
@@ -152,7 +157,7 @@ def test_replay_at_the_recorded_configuration_reproduces_the_server(tmp_path: Pa
 
     # step times fitted to this machine: the same engine configuration, profiled just after
     profile = run_profile(EngineConfig(dtype="float32", num_blocks=256, max_num_seqs=16, max_num_batched_tokens=512,
-                                       max_model_len=1024), "tiny")
+                                       max_model_len=1024, threads=num_threads), "tiny")
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     config = SchedulerConfig(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
