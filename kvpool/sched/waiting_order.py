@@ -53,15 +53,15 @@ class WaitingOrder:
         head = waiting[0]
         if self.policy == "fcfs" or head.num_bypassed >= self.max_bypass or (len(waiting) == 1 and not computing):
             return head
-        score = self._cached_tokens if self.policy == "cache-aware" else self._negated_prefill
         best, best_score = None, 0
         for i in range(min(len(waiting), self.window)):
             group = waiting[i]
             if group.num_bypassed >= self.max_bypass:
                 return group if best is None else best  # an earlier arrival at its bound is owed the turn
-            if computing and self.awaits(group, computing):
+            cached = self._cached_tokens(group)  # one prefix match per candidate, for both uses
+            if computing and self.awaits(group, computing, cached):
                 continue
-            s = score(group)
+            s = cached if self.policy == "cache-aware" else cached - len(group.seqs[0].token_ids)
             if best is None or s > best_score:
                 best, best_score = group, s
         return best
@@ -78,7 +78,7 @@ class WaitingOrder:
                 hashes.update(group.prompt_hashes[seq.num_computed_tokens // block_size:])
         return hashes
 
-    def awaits(self, group: SequenceGroup, computing: set[BlockHash]) -> bool:
+    def awaits(self, group: SequenceGroup, computing: set[BlockHash], cached: int) -> bool:
         """Whether `group`'s next prompt block past its device hit is one a running prompt is
         computing now (the same tokens, the same salt): it waits for that hit rather than
         computing the block again beside it (cache-aware and shortest-prefill; within the bound)."""
@@ -88,7 +88,7 @@ class WaitingOrder:
         hashes = self.hashes(group, seq)
         if len(seq.token_ids) != seq.prompt_len or not hashes:
             return False
-        block = self.kv.match_prefix(hashes, seq.prompt_len).num_tokens // self.kv.block_size
+        block = cached // self.kv.block_size  # `cached`: its device hit (`_cached_tokens`)
         return block < len(hashes) and hashes[block] in computing
 
     def defers(self, group: SequenceGroup, admitted_work: int, work: int | None = None) -> bool:
@@ -99,7 +99,7 @@ class WaitingOrder:
         if self.policy != "shortest-prefill" or not admitted_work or group.num_bypassed >= self.max_bypass:
             return False
         if work is None:
-            work = -self._negated_prefill(group)
+            work = self.prefill_work(group)
         return work > max(LONG_MIN_TOKENS, LONG_RATIO * admitted_work)
 
     def competes(self, group: SequenceGroup, waiting: deque[SequenceGroup]) -> int:
@@ -115,8 +115,9 @@ class WaitingOrder:
         return left if left > 1 else 0
 
     def prefill_work(self, group: SequenceGroup) -> int:
-        """The prompt tokens a waiting `group`'s admission would compute (its prompt less its hit)."""
-        return -self._negated_prefill(group)
+        """The tokens a waiting `group`'s admission would compute: its prompt less its device hit
+        (the whole sequence of one recomputed after preemption). The fewest goes first."""
+        return len(group.seqs[0].token_ids) - self._cached_tokens(group)
 
     def admitted(self, waiting: deque[SequenceGroup], group: SequenceGroup) -> None:
         """`group` leaves the queue: every earlier arrival it went ahead of is passed over once."""
@@ -129,12 +130,6 @@ class WaitingOrder:
                 break
             earlier.num_bypassed += 1
         waiting.remove(group)
-
-    def _negated_prefill(self, group: SequenceGroup) -> int:
-        """Minus the tokens `group`'s admission would compute (its prompt less the device hit,
-        or the whole sequence of one recomputed after preemption): the fewest goes first."""
-        seq = group.seqs[0]
-        return self._cached_tokens(group) - len(seq.token_ids)
 
     def _cached_tokens(self, group: SequenceGroup) -> int:
         """Prompt tokens of `group` the device prefix cache holds now (0 where hits are off)."""
