@@ -90,6 +90,25 @@ def test_grouped_kernels_give_the_dense_gemms_bits_at_every_row_count(bits, shap
         assert torch.equal(lin(x[:rows]), want[:rows]), rows
 
 
+@needs_lanes
+@pytest.mark.skipif(not can_pack_weights("cpu", torch.bfloat16), reason="oneDNN has no bf16 GEMM here")
+@pytest.mark.parametrize("dtype", list(DTYPES.values()))
+def test_the_lanes_kernels_k_block_is_onednns_on_the_bundled_models_shapes(dtype):
+    """Where two K blocks differ on ~1 output in 10^5 (all of K and 512 on K = 576), the packer
+    still finds oneDNN's: a decode row's bits are its prefill row's on 1,000 rows x N outputs
+    (a 48-row probe let the wrong block through on an AVX512-BF16 CPU without AMX)."""
+    if dtype == torch.float32 and not q4_lanes_available(True):
+        pytest.skip("no float32 lanes kernels here")
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
+        w = _exact_weight(n, k, 4, seed=n + k)
+        dense = PackedLinear(w.to(dtype), None)
+        served = lanes_groups(dense, q4_groups(w), dtype)
+        assert served is not None, (n, k)
+        x = (torch.randn(1000, k, generator=gen) * 0.05).to(dtype)
+        assert torch.equal(torch.ops.kvpool.q4_linear(x, *served), dense(x)), (n, k)
+
+
 @pytest.mark.skipif(not can_pack_weights("cpu", torch.float32), reason="no oneDNN")
 @pytest.mark.parametrize("dtype", list(DTYPES.values()))
 def test_dense_gemm_rows_do_not_depend_on_the_row_count(dtype):
