@@ -11,9 +11,11 @@
 // tiles are laid out for the tiles once per call, not once per unit. A unit's parts run on one
 // thread one after another, or as separate tasks when there are few units.
 //
-// AVX-512 path: K/V rows are read in place from fp32 caches and, with AVX512-BF16 and bf16
-// queries, from bf16 caches (q.k by dpbf16: products of bf16 values are exact in fp32, only the
-// summation order differs); a row's 16 scores per half tile come out as one zmm from a
+// AVX512-BF16 path (bf16 queries over a bf16 cache, no AMX; paged_attention_dpbf16.h): both
+// products on vdpbf16ps, each tile's K transposed once for the unit's rows, P rounded to bf16.
+//
+// AVX-512 path: K/V rows are read in place from fp32 caches (and bf16 ones for D over 256, q.k
+// by dpbf16); a row's 16 scores per half tile come out as one zmm from a
 // transpose-and-add tree, and P.V keeps up to 4 rows' accumulators in registers per V row read.
 // The next tile is prefetched (the caches are cold, a step's layers apart). Other caches go
 // through `load_tile` to fp32 scratch: bf16 under fp32 queries, and the quantized caches of
@@ -209,10 +211,13 @@ void load_tile(const Problem& p, const int64_t* table, int64_t kvh, int64_t k0, 
 // Per-thread buffers, kept between calls (no allocation in the parallel region once warm).
 struct Scratch {
   std::vector<float> q, k, v, zero, w, alpha, lsum, scores, local;
-  std::vector<uint16_t> qb;
+  std::vector<uint16_t> qb, pb;  // pb: bf16 weights [row][kTile] (run_item_dp)
+  std::vector<uint32_t> live;    // each row's live keys in a tile (run_item_dp)
   void fit(int64_t rows, int64_t d, int64_t part) {
     q.resize(rows * d);
     qb.resize(rows * d);
+    pb.resize(rows * kTile);
+    live.resize(rows);
     k.resize(kTile * d);
     v.resize(kTile * d);
     zero.assign(d, 0.f);
@@ -251,6 +256,23 @@ void load_queries(const Problem& p, const Unit& u, bool bits, Scratch& sc) {
 inline void live_range(const Problem& p, int64_t t0, int64_t n, int64_t pos, int64_t& first, int64_t& last) {
   first = p.window ? std::max<int64_t>(t0, pos - p.window + 1) : t0;
   last = std::min(t0 + n - 1, pos);  // inclusive
+}
+
+// Each row's live keys in the tile at t0 (n keys): bit i of live[r] = key t0 + i, rows r of the
+// unit from query position pos0 (g rows a position); [ilo, ihi] spans every row's (ilo > ihi: none).
+inline void live_keys(const Problem& p, int64_t t0, int64_t n, int64_t pos0, int64_t rows, uint32_t* live, int& ilo,
+                      int& ihi) {
+  ilo = kTile, ihi = -1;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t first, last;
+    live_range(p, t0, n, pos0 + r / p.group, first, last);
+    live[r] = 0;
+    if (first <= last) {
+      live[r] = static_cast<uint32_t>(((uint64_t{1} << (last - t0 + 1)) - 1) & ~((uint64_t{1} << (first - t0)) - 1));
+      ilo = std::min<int>(ilo, first - t0);
+      ihi = std::max<int>(ihi, last - t0);
+    }
+  }
 }
 
 inline float dot_scalar(const float* a, const float* b, int64_t d) {
@@ -334,6 +356,23 @@ void prefetch_item(const Problem& p, const Unit& u, int64_t k0, int64_t k1) {
   prefetch_rows(p, off, n);
 }
 #endif
+
+// The next tile's key offsets (after the tile at t0, in an item ending at k1) in `next`, and its K
+// rows then V rows in `ahead` (`zero` past its keys), to be asked for while this tile runs;
+// false when this tile is the item's last.
+inline bool next_tile(const Problem& p, const int64_t* table, int64_t kvh, int64_t t0, int64_t k1, const char* zero,
+                      int64_t* next, const char** ahead) {
+  if (t0 + kTile >= k1) return false;
+  const int64_t nn = std::min(kTile, k1 - t0 - kTile);
+  tile_offsets(p, table, kvh, t0 + kTile, nn, next);
+  const char* kc = static_cast<const char*>(p.k_cache);
+  const char* vc = static_cast<const char*>(p.v_cache);
+  for (int64_t i = 0; i < kTile; ++i) {
+    ahead[i] = i < nn ? kc + next[i] : zero;
+    ahead[kTile + i] = i < nn ? vc + next[i] : zero;
+  }
+  return true;
+}
 
 #ifdef __AVX512F__
 // Lane i of the result = the sum of a[i]'s 16 lanes: a transpose-and-add tree (30 shuffles,
@@ -553,15 +592,7 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
   for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
     const int64_t n = std::min(kTile, k1 - t0);
     std::memcpy(off, next, sizeof(off));
-    const bool more = t0 + kTile < k1;
-    if (more) {  // ask for the next tile while this one runs
-      const int64_t nn = std::min(kTile, k1 - t0 - kTile);
-      tile_offsets(p, table, u.kvh, t0 + kTile, nn, next);
-      for (int64_t i = 0; i < kTile; ++i) {
-        ahead[i] = i < nn ? kc + next[i] : zero;
-        ahead[kTile + i] = i < nn ? vc + next[i] : zero;
-      }
-    }
+    const bool more = next_tile(p, table, u.kvh, t0, k1, zero, next, ahead);  // asked for while this one runs
     if (in_place) {
       for (int64_t i = 0; i < n; ++i) krow[i] = kc + off[i], vrow[i] = vc + off[i];
     } else {
@@ -571,16 +602,10 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
         vrow[i] = reinterpret_cast<const char*>(sc.v.data() + i * d);
     }
     for (int64_t i = n; i < kTile; ++i) krow[i] = vrow[i] = zero;  // score 0, weight 0
-    int ilo = kTile, ihi = -1;
+    int ilo, ihi;
+    live_keys(p, t0, n, pos0, rows, sc.live.data(), ilo, ihi);
     for (int64_t r = 0; r < rows; ++r) {
-      int64_t first, last;
-      live_range(p, t0, n, pos0 + r / g, first, last);
-      uint32_t live = 0;
-      if (first <= last) {
-        live = static_cast<uint32_t>(((uint64_t{1} << (last - t0 + 1)) - 1) & ~((uint64_t{1} << (first - t0)) - 1));
-        ilo = std::min<int>(ilo, first - t0);
-        ihi = std::max<int>(ihi, last - t0);
-      }
+      const uint32_t live = sc.live[r];
       const __mmask16 live0 = static_cast<__mmask16>(live), live1 = static_cast<__mmask16>(live >> 16);
       const __m512 s0 = live0 ? scores16<BF16, NC>(sc, r, krow, d) : _mm512_setzero_ps();
       const __m512 s1 = live1 ? scores16<BF16, NC>(sc, r, krow + 16, d) : _mm512_setzero_ps();
@@ -592,6 +617,10 @@ void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
   for (int64_t r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lsum.data() + r * 16));
   if constexpr (BF16) unpermute_rows(acc, rows, d);
 }
+
+#ifdef __AVX512BF16__
+#include "paged_attention_dpbf16.h"  // run_item_dp: both products on vdpbf16ps (no AMX)
+#endif
 #endif
 
 #ifdef KVPOOL_AMX
@@ -758,16 +787,10 @@ void run_item_avx2(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scra
         vrow[i] = reinterpret_cast<const char*>(sc.v.data() + i * d);
     }
     for (int64_t i = n; i < kTile; ++i) krow[i] = vrow[i] = zero;  // score 0, weight 0
-    int ilo = kTile, ihi = -1;
+    int ilo, ihi;
+    live_keys(p, t0, n, pos0, rows, sc.live.data(), ilo, ihi);
     for (int64_t r = 0; r < rows; ++r) {
-      int64_t first, last;
-      live_range(p, t0, n, pos0 + r / g, first, last);
-      uint32_t live = 0;
-      if (first <= last) {
-        live = static_cast<uint32_t>(((uint64_t{1} << (last - t0 + 1)) - 1) & ~((uint64_t{1} << (first - t0)) - 1));
-        ilo = std::min<int>(ilo, first - t0);
-        ihi = std::max<int>(ihi, last - t0);
-      }
+      const uint32_t live = sc.live[r];
       const float* q = sc.q.data() + r * d;
       __m256 s[4];
       for (int j = 0; j < 4; ++j)
@@ -793,9 +816,9 @@ ItemFn pick_item_fn(const Problem& p) {
 #ifdef __AVX512BF16__
   if (p.q_bf16 && p.kv == KV::kBF16 && p.head_dim % 32 == 0) {
     switch (p.head_dim / 32) {
-      case 2: return run_item_fast<true, 2>;
-      case 4: return run_item_fast<true, 4>;
-      case 8: return run_item_fast<true, 8>;
+      case 2: return run_item_dp<2>;
+      case 4: return run_item_dp<4>;
+      case 8: return run_item_dp<8>;
       default: return run_item_fast<true, 0>;
     }
   }
