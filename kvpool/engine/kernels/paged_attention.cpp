@@ -214,7 +214,7 @@ void load_tile(const Problem& p, const int64_t* table, int64_t kvh, int64_t k0, 
 struct Scratch {
   std::vector<float> q, k, v, zero, w, alpha, lsum, scores, local;
   std::vector<uint16_t> qb, pb;  // pb: bf16 weights [row][kTile] (run_item_dp)
-  std::vector<uint32_t> live;    // each row's live keys in a tile (run_item_dp)
+  std::vector<uint32_t> live;    // each row's live keys in a tile (live_keys)
   void fit(int64_t rows, int64_t d, int64_t part) {
     q.resize(rows * d);
     qb.resize(rows * d);

@@ -64,7 +64,8 @@ inline void dp_values(const char* const* vrow, int plo, int phi, __m512i (*vv)[2
     }
 }
 
-// Scores of R rows (from row r0) over the tile's 32 keys: s[r][h] = keys 16h..16h+15.
+// Scores of R rows (queries q, D/2 pairs each) over the tile's 32 keys: s[2r + h] = keys
+// 16h..16h+15. A half no row sees was not transposed (dp_keys): its lanes are masked out after.
 template <int NC, int R>
 __attribute__((always_inline)) inline void dp_scores(const uint32_t* q, int64_t d, const uint32_t (*kt)[kTile],
                                                      __m512* s) {
