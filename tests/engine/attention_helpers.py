@@ -18,9 +18,11 @@ def make_batch(
     dtype: torch.dtype,
     seed: int,
     share: list[int | None] | None = None,
+    head_dim: int = D,
 ):
     """A cache of shuffled blocks holding each sequence's context; sequence i with share[i] = j
     reuses sequence j's full cached blocks as its own prefix (a fork), then owns the rest."""
+    D = head_dim
     gen = torch.Generator().manual_seed(seed)
     totals = [c + n for c, n in zip(cached, new, strict=True)]
     num_blocks = sum(-(-t // block_size) for t in totals) + 4

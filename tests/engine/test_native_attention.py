@@ -62,6 +62,25 @@ def test_window_and_softcap(dtype, window, softcap):
     assert max_diff(batch, window, softcap) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,kv_heads,group", [(128, 2, 4), (256, 1, 4), (128, 2, 1)])
+def test_wider_heads(dtype, head_dim, kv_heads, group):
+    """Head dims of 128 (Llama, Qwen, Mistral) and 256 (Gemma) run their own kernel forms: chunks
+    over cached prefixes and decode rows against the torch path, and a decode row's bits equal
+    its row in a chunk."""
+    cached, new = [0, 37, 300, 700, 5], [40, 11, 1, 1, 70]
+    query, k_cache, v_cache, meta, new_kv = make_batch(cached, new, 16, kv_heads, group, dtype, seed=head_dim,
+                                                       head_dim=head_dim)
+    args = (query, k_cache, v_cache, meta, head_dim**-0.5, new_kv)
+    native = native_paged_attention(*args)
+    assert (native.float() - torch_paged_attention(*args).float()).abs().max().item() <= TOL[dtype]
+    table = meta.block_tables[4:5].contiguous()
+    q = torch.cat([torch.zeros(5, *query.shape[1:], dtype=dtype), query[-70:]])  # the last sequence: 5 cached + 70 new
+    for pos in (0, 31, 69):
+        row = _rows(q, k_cache, v_cache, table, 5 + pos, 5 + pos + 1, head_dim**-0.5)[0]
+        assert torch.equal(row, native[-70 + pos]), pos
+
+
 def test_results_do_not_depend_on_the_thread_count():
     """A long decode row is cut into parts (how many depends on the threads) merged by log-sum-exp."""
     batch = make_batch([4099, 5], [1, 1], 16, 3, 3, torch.float32, seed=5)
