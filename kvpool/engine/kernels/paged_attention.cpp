@@ -254,6 +254,19 @@ void load_queries(const Problem& p, const Unit& u, bool bits, Scratch& sc) {
   }
 }
 
+// An item's start: the unit's queries loaded (as bf16 bits or fp32), m = -inf, l = acc = 0 and
+// `lanes` partial sums of l per row zeroed; returns the position of the unit's first token.
+inline int64_t start_item(const Problem& p, const Unit& u, bool bits, int64_t lanes, Scratch& sc, float* m, float* l,
+                          float* acc) {
+  const int64_t rows = u.ntok * p.group;
+  load_queries(p, u, bits, sc);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.f);
+  std::fill(acc, acc + rows * p.head_dim, 0.f);
+  std::fill(sc.lsum.begin(), sc.lsum.begin() + rows * lanes, 0.f);
+  return p.seq_lens[u.seq] - (p.query_start[u.seq + 1] - p.query_start[u.seq]) + u.tok0;
+}
+
 // Keys of the tile at t0 (n of them) that query position pos sees: k <= pos, pos - k < window.
 inline void live_range(const Problem& p, int64_t t0, int64_t n, int64_t pos, int64_t& first, int64_t& last) {
   first = p.window ? std::max<int64_t>(t0, pos - p.window + 1) : t0;
@@ -319,12 +332,7 @@ void softmax_step(const Problem& p, const float* scores_in, int64_t k0, int64_t 
 void run_item_scalar(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scratch& sc, float* m, float* l,
                      float* acc) {
   const int64_t d = p.head_dim, g = p.group, rows = u.ntok * g;
-  const int64_t qlen = p.query_start[u.seq + 1] - p.query_start[u.seq];
-  const int64_t pos0 = p.seq_lens[u.seq] - qlen + u.tok0;  // position of the unit's first token
-  load_queries(p, u, false, sc);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.f);
-  std::fill(acc, acc + rows * d, 0.f);
+  const int64_t pos0 = start_item(p, u, false, 0, sc, m, l, acc);  // position of the unit's first token
   const int64_t* table = p.block_tables + u.seq * p.bt_stride;
   for (int64_t t0 = k0; t0 < k1; t0 += kTile) {
     const int64_t n = std::min(kTile, k1 - t0);
@@ -572,13 +580,7 @@ template <bool BF16, int NC>
 void run_item_fast(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scratch& sc, float* m, float* l,
                    float* acc) {
   const int64_t d = p.head_dim, g = p.group, rows = u.ntok * g;
-  const int64_t qlen = p.query_start[u.seq + 1] - p.query_start[u.seq];
-  const int64_t pos0 = p.seq_lens[u.seq] - qlen + u.tok0;
-  load_queries(p, u, BF16, sc);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.f);
-  std::fill(acc, acc + rows * d, 0.f);
-  std::fill(sc.lsum.begin(), sc.lsum.begin() + rows * 16, 0.f);
+  const int64_t pos0 = start_item(p, u, BF16, 16, sc, m, l, acc);
   const int64_t* table = p.block_tables + u.seq * p.bt_stride;
   const bool in_place = BF16 || p.kv == KV::kF32;
   const char* kc = static_cast<const char*>(p.k_cache);
@@ -756,13 +758,7 @@ template <int CH>
 void run_item_avx2(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scratch& sc, float* m, float* l,
                    float* acc) {
   const int64_t d = p.head_dim, g = p.group, rows = u.ntok * g;
-  const int64_t qlen = p.query_start[u.seq + 1] - p.query_start[u.seq];
-  const int64_t pos0 = p.seq_lens[u.seq] - qlen + u.tok0;
-  load_queries(p, u, false, sc);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.f);
-  std::fill(acc, acc + rows * d, 0.f);
-  std::fill(sc.lsum.begin(), sc.lsum.begin() + rows * 8, 0.f);
+  const int64_t pos0 = start_item(p, u, false, 8, sc, m, l, acc);
   const int64_t* table = p.block_tables + u.seq * p.bt_stride;
   const bool in_place = p.kv == KV::kF32;
   const char* kc = static_cast<const char*>(p.k_cache);

@@ -139,13 +139,7 @@ void run_item_dp(const Problem& p, const Unit& u, int64_t k0, int64_t k1, Scratc
   constexpr int kQkRows = 4;                          // rows whose scores share each kt load
   constexpr int kPvRows = NC == 2 ? 4 : NC == 4 ? 2 : 1;  // rows whose O fits in registers
   const int64_t d = p.head_dim, g = p.group, rows = u.ntok * g;
-  const int64_t qlen = p.query_start[u.seq + 1] - p.query_start[u.seq];
-  const int64_t pos0 = p.seq_lens[u.seq] - qlen + u.tok0;
-  load_queries(p, u, true, sc);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.f);
-  std::fill(acc, acc + rows * d, 0.f);
-  std::fill(sc.lsum.begin(), sc.lsum.begin() + rows * 16, 0.f);
+  const int64_t pos0 = start_item(p, u, true, 16, sc, m, l, acc);
   const int64_t* table = p.block_tables + u.seq * p.bt_stride;
   const char* kc = static_cast<const char*>(p.k_cache);
   const char* vc = static_cast<const char*>(p.v_cache);
