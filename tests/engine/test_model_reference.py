@@ -150,8 +150,11 @@ def test_packed_cpu_weights_give_the_same_logits_and_greedy_tokens():
 def test_packed_rows_are_padded_to_few_shapes_and_sliced_back():
     from kvpool.engine.layers.linear import PackedLinear, row_bucket
 
-    assert len({row_bucket(r) for r in range(1, 2305)}) < 80
-    assert all(r <= row_bucket(r) <= r + max(7, r // 8) for r in range(1, 2305))
+    assert len({row_bucket(r) for r in range(1, 2305)}) < 90
+    # at most 7 padding rows up to 256, 1/16 above: a 128-token chunk beside one decode row
+    # runs at 136 rows, not 144
+    assert all(r <= row_bucket(r) <= r + max(7, r // 16) for r in range(1, 2305))
+    assert row_bucket(129) == 136
     w = torch.randn(48, 32)
     lin = PackedLinear(w, None)
     for rows in (1, 9, 70, 300):

@@ -211,6 +211,7 @@ class LlamaForCausal(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         self.head: nn.Module | None = None  # the LM head's linear layer, once `pack_cpu_weights` chose it
         self.q4_rows = 0  # batches up to this many rows run on 4-bit weights
+        self.pads_rows = False  # larger ones are padded to a row bucket: a projection's kernel wants it
         self.decode_loop: DecodeLoop | None = None  # decode-sized steps' native layer loop, once packed
         self.before_layer: Callable[[int], None] | None = None  # layer-wise KV load: wait for layer i's KV
         # Quantized groups from the loader (module name -> groups): a GGUF file's exact ones,
@@ -226,10 +227,10 @@ class LlamaForCausal(nn.Module):
         meta: AttentionMetadata,
     ) -> Tensor:
         num_tokens = input_ids.shape[0]
-        if self.head is not None and num_tokens > self.q4_rows:
+        if self.pads_rows and num_tokens > self.q4_rows:
             # Pad once to the packed kernels' row bucket so the MLP and QKV projections take
             # their input as is (attention runs on the real rows only, o_proj pads its own).
-            # 4-bit kernels take any row count: padding would only add work.
+            # 4-bit and AMX tile kernels take any row count: padding would only add work.
             input_ids = pad_rows(input_ids, row_bucket(num_tokens))
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
@@ -277,6 +278,9 @@ class LlamaForCausal(nn.Module):
         self.head = packer.head("embed_tokens.weight" if self.lm_head is None else "lm_head", self.head_weight())
         self.quant_groups = {}
         self.q4_rows = packer.q4_rows
+        self.pads_rows = any(getattr(getattr(owner, proj), "row_buckets", False)
+                             for layer in self.layers for owner in (layer.self_attn, layer.mlp)
+                             for proj in owner.PROJECTIONS)
         self.decode_loop = DecodeLoop.build(self.config, self.layers, self.norm)
         packer.report(4 * len(self.layers), self.head, self.decode_loop is not None)
 
