@@ -148,6 +148,76 @@ void rows(const Fmt& f, const c10::BFloat16* x, int64_t k, c10::BFloat16* y, int
   for (; b < b1; ++b) tile<Fmt, R, 1>(f, x, k, y, n_out, b);
 }
 
+// Many rows: the weights of a panel of up to kPanelBlocks blocks are dequantized once into a
+// buffer (the same `weights` values, so the same bf16 pairs) and every row chunk reads them from
+// there, where the tiles above dequantize them again for every 8 rows. Same chains, same order,
+// same bits; the K block's partial sums wait in `total` memory, so the registers hold R x B
+// chains (6 x 4 here against 8 above).
+constexpr int kPanelBlocks = 4, kPanelRows = 6;
+
+struct Panel {  // a panel's dequantized pairs: w[block - block0][p], 16 lanes of (even, odd) bf16
+  const __m512i* w;
+  int64_t block0, pairs, kblock_pairs;
+  __m512i weights(int64_t block, int64_t p) const { return _mm512_load_si512(w + (block - block0) * pairs + p); }
+};
+
+template <int R, int B>
+void panel_tile(const Panel& f, const int32_t* xp, int64_t k, c10::BFloat16* y, int64_t n_out, float* total) {
+  __m512 acc[R][B];
+  for (int64_t p0 = 0; p0 < f.pairs; p0 += f.kblock_pairs) {
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+    const int64_t p1 = std::min(f.pairs, p0 + f.kblock_pairs);
+    for (int64_t p = p0; p < p1; ++p) {
+      __m512i w[B];
+      for (int b = 0; b < B; ++b) w[b] = f.weights(f.block0 + b, p);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(xp[r * (k / 2) + p]);
+        for (int b = 0; b < B; ++b)
+          acc[r][b] = _mm512_dpbf16_ps(acc[r][b], reinterpret_cast<const __m512bh&>(w[b]), reinterpret_cast<const __m512bh&>(xv));
+      }
+    }
+    for (int r = 0; r < R; ++r)  // total += chain, from zero: `tile`'s order
+      for (int b = 0; b < B; ++b) {
+        float* t = total + (r * B + b) * kLanes;
+        const __m512 before = p0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(t);
+        _mm512_storeu_ps(t, _mm512_add_ps(before, acc[r][b]));
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_loadu_ps(total + (r * B + b) * kLanes));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n_out + (f.block0 + b) * kLanes), reinterpret_cast<const __m256i&>(out));
+    }
+}
+
+template <int B>
+void panel_rows(const Panel& f, const int32_t* xp, int64_t m, int64_t k, c10::BFloat16* y, int64_t n_out) {
+  using Fn = void (*)(const Panel&, const int32_t*, int64_t, c10::BFloat16*, int64_t, float*);
+  static constexpr Fn fns[kPanelRows] = {panel_tile<1, B>, panel_tile<2, B>, panel_tile<3, B>,
+                                         panel_tile<4, B>, panel_tile<5, B>, panel_tile<6, B>};
+  alignas(64) float total[kPanelRows * B * kLanes];
+  for (int64_t r0 = 0; r0 < m; r0 += kPanelRows) {
+    const int64_t r = std::min<int64_t>(kPanelRows, m - r0);
+    fns[r - 1](f, xp + r0 * (k / 2), k, y + r0 * n_out, n_out, total);
+  }
+}
+
+template <class Fmt>
+void panels(const Fmt& f, const c10::BFloat16* x, int64_t m, int64_t k, c10::BFloat16* y, int64_t n_out, int64_t b0,
+            int64_t b1) {
+  using Fn = void (*)(const Panel&, const int32_t*, int64_t, int64_t, c10::BFloat16*, int64_t);
+  static constexpr Fn fns[kPanelBlocks] = {panel_rows<1>, panel_rows<2>, panel_rows<3>, panel_rows<4>};
+  std::vector<__m512i> buf(kPanelBlocks * f.pairs);  // 64-byte aligned (C++17 aligned new)
+  const auto* xp = reinterpret_cast<const int32_t*>(x);
+  for (int64_t b = b0; b < b1; b += kPanelBlocks) {
+    const int64_t nb = std::min<int64_t>(kPanelBlocks, b1 - b);
+    for (int64_t i = 0; i < nb; ++i)
+      for (int64_t p = 0; p < f.pairs; ++p) buf[i * f.pairs + p] = f.weights(b + i, p);
+    fns[nb - 1](Panel{buf.data(), b, f.pairs, f.kblock_pairs}, xp, m, k, y, n_out);
+  }
+}
+
 template <class Fmt>
 at::Tensor linear(const Fmt& f, const at::Tensor& x, int64_t n_out) {
   using Fn = void (*)(const Fmt&, const c10::BFloat16*, int64_t, c10::BFloat16*, int64_t, int64_t, int64_t);
@@ -158,6 +228,10 @@ at::Tensor linear(const Fmt& f, const at::Tensor& x, int64_t n_out) {
   at::Tensor y = at::empty({m, n_out}, xc.options());
   const auto* xp = xc.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
+  if (m > 8) {  // each thread an equal share of the blocks, walked in panels
+    at::parallel_for(0, n_out / kLanes, 1, [&](int64_t begin, int64_t end) { panels(f, xp, m, k, yp, n_out, begin, end); });
+    return y;
+  }
   at::parallel_for(0, n_out / kLanes, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += 8) {
       const int64_t r = std::min<int64_t>(8, m - r0);

@@ -79,7 +79,8 @@ class LinearPacker:
                                else Q8TileLinear(dense, groups, dense.bias, TILES_MAX_ROWS_BF16))
         else:
             kind = Q4Linear if len(groups) == 3 else Q8Linear
-            layer = kind(dense, groups, dense.bias, self.max_rows, self.vector_rows)
+            every = self.max_rows == EVERY_ROW_COUNT  # the groups serve every batch: no dense copy
+            layer = kind(None if every else dense, groups, dense.bias, self.max_rows, self.vector_rows)
         self.served.append(layer)
         return layer
 
