@@ -108,6 +108,18 @@ struct Q8Lanes {
   }
 };
 
+// One step of R x B chains: pair p of each row times pair p of each block's weights.
+template <class Fmt, int R, int B>
+inline void chain_step(const Fmt& f, const int32_t* xp, int64_t k, int64_t block0, int64_t p, __m512 (&acc)[R][B]) {
+  __m512i w[B];
+  for (int b = 0; b < B; ++b) w[b] = f.weights(block0 + b, p);
+  for (int r = 0; r < R; ++r) {
+    const __m512i xv = _mm512_set1_epi32(xp[r * (k / 2) + p]);
+    for (int b = 0; b < B; ++b)
+      acc[r][b] = _mm512_dpbf16_ps(acc[r][b], reinterpret_cast<const __m512bh&>(w[b]), reinterpret_cast<const __m512bh&>(xv));
+  }
+}
+
 // R rows x B blocks of 16 outputs: per output one chain per K block over its pairs, in order,
 // the chains summed in order.
 template <class Fmt, int R, int B>
@@ -120,15 +132,7 @@ void tile(const Fmt& f, const c10::BFloat16* x, int64_t k, c10::BFloat16* y, int
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
     const int64_t p1 = std::min(f.pairs, p0 + f.kblock_pairs);
-    for (int64_t p = p0; p < p1; ++p) {
-      __m512i w[B];
-      for (int b = 0; b < B; ++b) w[b] = f.weights(block0 + b, p);
-      for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_set1_epi32(xp[r * (k / 2) + p]);
-        for (int b = 0; b < B; ++b)
-          acc[r][b] = _mm512_dpbf16_ps(acc[r][b], reinterpret_cast<const __m512bh&>(w[b]), reinterpret_cast<const __m512bh&>(xv));
-      }
-    }
+    for (int64_t p = p0; p < p1; ++p) chain_step<Fmt, R, B>(f, xp, k, block0, p, acc);
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) total[r][b] = _mm512_add_ps(total[r][b], acc[r][b]);
   }
@@ -168,15 +172,7 @@ void panel_tile(const Panel& f, const int32_t* xp, int64_t k, c10::BFloat16* y, 
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
     const int64_t p1 = std::min(f.pairs, p0 + f.kblock_pairs);
-    for (int64_t p = p0; p < p1; ++p) {
-      __m512i w[B];
-      for (int b = 0; b < B; ++b) w[b] = f.weights(f.block0 + b, p);
-      for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_set1_epi32(xp[r * (k / 2) + p]);
-        for (int b = 0; b < B; ++b)
-          acc[r][b] = _mm512_dpbf16_ps(acc[r][b], reinterpret_cast<const __m512bh&>(w[b]), reinterpret_cast<const __m512bh&>(xv));
-      }
-    }
+    for (int64_t p = p0; p < p1; ++p) chain_step<Panel, R, B>(f, xp, k, f.block0, p, acc);
     for (int r = 0; r < R; ++r)  // total += chain, from zero: `tile`'s order
       for (int b = 0; b < B; ++b) {
         float* t = total + (r * B + b) * kLanes;
