@@ -235,8 +235,9 @@ EVERY_ROW_COUNT = sys.maxsize  # a row limit that is none
 class Q4Linear(nn.Module):
     """A frozen Linear with two copies of its weight: 4-bit groups (`models/quantized.py`) for
     batches of at most `max_rows` rows (weight-bandwidth bound), the dense module for larger
-    ones (none where the groups serve every row count). Batches of up to `vector_rows` (default: all of them) run the vector kernel, float32
-    or bfloat16, larger ones the AMX kernel (bfloat16). Results come back in the activations' dtype."""
+    ones (none where the groups serve every row count). Batches of up to `vector_rows` (default:
+    all of them) run the vector kernel, float32 or bfloat16, larger ones the AMX kernel
+    (bfloat16). Results come back in the activations' dtype."""
 
     def __init__(
         self,
