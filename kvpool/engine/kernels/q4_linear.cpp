@@ -20,7 +20,6 @@
 #include <initializer_list>
 #include <string>
 #include <type_traits>
-#include <vector>
 #include <utility>
 
 #if defined(__AVX512F__) || defined(__AVX2__)

@@ -204,13 +204,15 @@ void panels(const Fmt& f, const c10::BFloat16* x, int64_t m, int64_t k, c10::BFl
             int64_t b1) {
   using Fn = void (*)(const Panel&, const int32_t*, int64_t, int64_t, c10::BFloat16*, int64_t);
   static constexpr Fn fns[kPanelBlocks] = {panel_rows<1>, panel_rows<2>, panel_rows<3>, panel_rows<4>};
-  std::vector<__m512i> buf(kPanelBlocks * f.pairs);  // 64-byte aligned (C++17 aligned new)
+  // torch's CPU allocator aligns to 64 bytes, as the aligned loads and stores need
+  const at::Tensor storage = at::empty({kPanelBlocks * f.pairs * 64}, at::kByte);
+  auto* buf = reinterpret_cast<__m512i*>(storage.data_ptr<uint8_t>());
   const auto* xp = reinterpret_cast<const int32_t*>(x);
   for (int64_t b = b0; b < b1; b += kPanelBlocks) {
     const int64_t nb = std::min<int64_t>(kPanelBlocks, b1 - b);
     for (int64_t i = 0; i < nb; ++i)
-      for (int64_t p = 0; p < f.pairs; ++p) buf[i * f.pairs + p] = f.weights(b + i, p);
-    fns[nb - 1](Panel{buf.data(), b, f.pairs, f.kblock_pairs}, xp, m, k, y, n_out);
+      for (int64_t p = 0; p < f.pairs; ++p) _mm512_store_si512(buf + i * f.pairs + p, f.weights(b + i, p));
+    fns[nb - 1](Panel{buf, b, f.pairs, f.kblock_pairs}, xp, m, k, y, n_out);
   }
 }
 
