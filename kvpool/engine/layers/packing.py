@@ -64,6 +64,7 @@ class LinearPacker:
         self.groups = quant_groups
         self.bf16 = dtype == torch.bfloat16
         self.vector_rows, self.max_rows = row_limits(self.bf16, invariant=self.invariant) if q4_kernels else (0, 0)
+        self.q8_rows = row_limits(self.bf16, invariant=self.invariant, bits=8) if q4_kernels else (0, 0)
         # batch-invariant bf16 on AMX: projections on the tile kernel at every row count (TileLinear)
         self.tiles = self.invariant and self.bf16 and self.dense is PackedLinear and q4_amx_available()
         self.served: list[Q4Linear] = []  # projections that serve small batches from their groups
@@ -78,9 +79,10 @@ class LinearPacker:
             layer: Q4Linear = (Q4TileLinear(groups, dense.bias) if len(groups) == 3
                                else Q8TileLinear(dense, groups, dense.bias, TILES_MAX_ROWS_BF16))
         else:
-            kind = Q4Linear if len(groups) == 3 else Q8Linear
-            every = self.max_rows == EVERY_ROW_COUNT  # the groups serve every batch: no dense copy
-            layer = kind(None if every else dense, groups, dense.bias, self.max_rows, self.vector_rows)
+            four = len(groups) == 3
+            kind, (vector, most) = (Q4Linear, (self.vector_rows, self.max_rows)) if four else (Q8Linear, self.q8_rows)
+            every = most == EVERY_ROW_COUNT  # the groups serve every batch: no dense copy
+            layer = kind(None if every else dense, groups, dense.bias, most, vector)
         self.served.append(layer)
         return layer
 

@@ -43,7 +43,10 @@ HEAD_AMX_MAX_ROWS_BF16 = HEAD_MAX_ROWS_BF16
 # (`kernels/q4_nlanes.h` panels), which beat oneDNN's dense GEMM at every size measured (2-core
 # AMD EPYC, AVX512-BF16, the bundled model's 120 projections out of cache: 9 rows 12.1 vs 19.4 ms,
 # 128 rows 68.6 vs 74.4, 1,024 rows 503 vs 519), so the dense copy is dropped once checked.
+# On SmolLM2-1.7B's shapes they are at parity (one layer: 9 rows 7.2 vs 8.7 ms, 16-64 rows 4-6%
+# slower, 128-512 rows within 2%), the 8-bit ones slower (9-32 rows 12-18%): those keep 8 rows.
 LANES_MAX_ROWS_BF16 = sys.maxsize
+LANES_Q8_MAX_ROWS_BF16 = 8
 # Batch-invariant with AMX: oneDNN's bf16 GEMM sums K on AMX tiles in one chain up to 32 rows
 # (`linear.AgreeingBuckets`), as the AMX tile kernel does at every row count, while the lanes
 # kernels' vdpbf16ps adds each K pair in the other order; so the tile kernel serves the groups
@@ -65,15 +68,17 @@ LANES_MAX_ROWS_F32 = 16
 LANES_HEAD_MAX_ROWS_F32 = 8
 
 
-def row_limits(bf16: bool, head: bool = False, invariant: bool = False) -> tuple[int, int]:
+def row_limits(bf16: bool, head: bool = False, invariant: bool = False, bits: int = 4) -> tuple[int, int]:
     """(rows up to which the vector kernel runs, rows up to which the groups serve at all):
     the AMX kernel takes the rows between, where this CPU and kernel build have it. Batch-
-    invariant: the lanes kernels, or on AMX CPUs the AMX kernel alone (see TILES_MAX_ROWS_BF16)."""
+    invariant: the lanes kernels, or on AMX CPUs the AMX kernel alone (see TILES_MAX_ROWS_BF16).
+    `bits`: a projection's groups, 4 (Q4_1) or 8 (Q8_0)."""
     if invariant:
         if bf16 and q4_amx_available():
             return 0, TILES_MAX_ROWS_BF16
         if bf16:
-            rows = LANES_HEAD_MAX_ROWS_BF16 if head else LANES_MAX_ROWS_BF16
+            rows = (LANES_HEAD_MAX_ROWS_BF16 if head else LANES_MAX_ROWS_BF16 if bits == 4
+                    else LANES_Q8_MAX_ROWS_BF16)
         else:
             rows = LANES_HEAD_MAX_ROWS_F32 if head else LANES_MAX_ROWS_F32
         return rows, rows
