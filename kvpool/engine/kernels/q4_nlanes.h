@@ -108,72 +108,26 @@ struct Q8Lanes {
   }
 };
 
-// One step of R x B chains: pair p of each row times pair p of each block's weights.
+// R rows x B blocks of 16 outputs from block0: per output one chain per K block over its pairs,
+// in order, each from zero, added in order to its running total (kept in `total`, R x B x 16
+// floats: the registers hold the chains), rounded to bf16 once.
 template <class Fmt, int R, int B>
-inline void chain_step(const Fmt& f, const int32_t* xp, int64_t k, int64_t block0, int64_t p, __m512 (&acc)[R][B]) {
-  __m512i w[B];
-  for (int b = 0; b < B; ++b) w[b] = f.weights(block0 + b, p);
-  for (int r = 0; r < R; ++r) {
-    const __m512i xv = _mm512_set1_epi32(xp[r * (k / 2) + p]);
-    for (int b = 0; b < B; ++b)
-      acc[r][b] = _mm512_dpbf16_ps(acc[r][b], reinterpret_cast<const __m512bh&>(w[b]), reinterpret_cast<const __m512bh&>(xv));
-  }
-}
-
-// R rows x B blocks of 16 outputs: per output one chain per K block over its pairs, in order,
-// the chains summed in order.
-template <class Fmt, int R, int B>
-void tile(const Fmt& f, const c10::BFloat16* x, int64_t k, c10::BFloat16* y, int64_t n_out, int64_t block0) {
-  __m512 acc[R][B], total[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) total[r][b] = _mm512_setzero_ps();
-  const auto* xp = reinterpret_cast<const int32_t*>(x);
-  for (int64_t p0 = 0; p0 < f.pairs; p0 += f.kblock_pairs) {
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
-    const int64_t p1 = std::min(f.pairs, p0 + f.kblock_pairs);
-    for (int64_t p = p0; p < p1; ++p) chain_step<Fmt, R, B>(f, xp, k, block0, p, acc);
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) total[r][b] = _mm512_add_ps(total[r][b], acc[r][b]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) {
-      const __m256bh out = _mm512_cvtneps_pbh(total[r][b]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n_out + (block0 + b) * kLanes), reinterpret_cast<const __m256i&>(out));
-    }
-}
-
-// Rows in chunks of up to 8; per chunk, 4 / 2 / 1 blocks per tile so every tile has >= 8 chains.
-template <class Fmt, int R>
-void rows(const Fmt& f, const c10::BFloat16* x, int64_t k, c10::BFloat16* y, int64_t n_out, int64_t b0, int64_t b1) {
-  constexpr int B = R <= 2 ? 4 : R <= 4 ? 2 : 1;
-  int64_t b = b0;
-  for (; b + B <= b1; b += B) tile<Fmt, R, B>(f, x, k, y, n_out, b);
-  for (; b < b1; ++b) tile<Fmt, R, 1>(f, x, k, y, n_out, b);
-}
-
-// Many rows: the weights of a panel of up to kPanelBlocks blocks are dequantized once into a
-// buffer (the same `weights` values, so the same bf16 pairs) and every row chunk reads them from
-// there, where the tiles above dequantize them again for every 8 rows. Same chains, same order,
-// same bits; the K block's partial sums wait in `total` memory, so the registers hold R x B
-// chains (6 x 4 here against 8 above).
-constexpr int kPanelBlocks = 4, kPanelRows = 6;
-
-struct Panel {  // a panel's dequantized pairs: w[block - block0][p], 16 lanes of (even, odd) bf16
-  const __m512i* w;
-  int64_t block0, pairs, kblock_pairs;
-  __m512i weights(int64_t block, int64_t p) const { return _mm512_load_si512(w + (block - block0) * pairs + p); }
-};
-
-template <int R, int B>
-void panel_tile(const Panel& f, const int32_t* xp, int64_t k, c10::BFloat16* y, int64_t n_out, float* total) {
+void tile(const Fmt& f, const int32_t* xp, int64_t k, c10::BFloat16* y, int64_t n_out, int64_t block0, float* total) {
   __m512 acc[R][B];
   for (int64_t p0 = 0; p0 < f.pairs; p0 += f.kblock_pairs) {
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
     const int64_t p1 = std::min(f.pairs, p0 + f.kblock_pairs);
-    for (int64_t p = p0; p < p1; ++p) chain_step<Panel, R, B>(f, xp, k, f.block0, p, acc);
-    for (int r = 0; r < R; ++r)  // total += chain, from zero: `tile`'s order
+    for (int64_t p = p0; p < p1; ++p) {
+      __m512i w[B];
+      for (int b = 0; b < B; ++b) w[b] = f.weights(block0 + b, p);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(xp[r * (k / 2) + p]);
+        for (int b = 0; b < B; ++b)
+          acc[r][b] = _mm512_dpbf16_ps(acc[r][b], reinterpret_cast<const __m512bh&>(w[b]), reinterpret_cast<const __m512bh&>(xv));
+      }
+    }
+    for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) {
         float* t = total + (r * B + b) * kLanes;
         const __m512 before = p0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(t);
@@ -183,19 +137,42 @@ void panel_tile(const Panel& f, const int32_t* xp, int64_t k, c10::BFloat16* y, 
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) {
       const __m256bh out = _mm512_cvtneps_pbh(_mm512_loadu_ps(total + (r * B + b) * kLanes));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n_out + (f.block0 + b) * kLanes), reinterpret_cast<const __m256i&>(out));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n_out + (block0 + b) * kLanes), reinterpret_cast<const __m256i&>(out));
     }
 }
 
+// Rows in chunks of up to 8; per chunk, 4 / 2 / 1 blocks per tile so every tile has >= 8 chains.
+template <class Fmt, int R>
+void rows(const Fmt& f, const c10::BFloat16* x, int64_t k, c10::BFloat16* y, int64_t n_out, int64_t b0, int64_t b1) {
+  constexpr int B = R <= 2 ? 4 : R <= 4 ? 2 : 1;
+  alignas(64) float total[R * B * kLanes];
+  const auto* xp = reinterpret_cast<const int32_t*>(x);
+  int64_t b = b0;
+  for (; b + B <= b1; b += B) tile<Fmt, R, B>(f, xp, k, y, n_out, b, total);
+  for (; b < b1; ++b) tile<Fmt, R, 1>(f, xp, k, y, n_out, b, total);
+}
+
+// Many rows: the weights of a panel of up to kPanelBlocks blocks are dequantized once into a
+// buffer (the same `weights` values, so the same bf16 pairs) and every row chunk reads them from
+// there, where `rows` dequantizes them again for every 8 rows. The same `tile`, so the same
+// chains in the same order and the same bits, 6 x 4 chains a tile here against 8 there.
+constexpr int kPanelBlocks = 4, kPanelRows = 6;
+
+struct Panel {  // a panel's dequantized pairs: w[block - block0][p], 16 lanes of (even, odd) bf16
+  const __m512i* w;
+  int64_t block0, pairs, kblock_pairs;
+  __m512i weights(int64_t block, int64_t p) const { return _mm512_load_si512(w + (block - block0) * pairs + p); }
+};
+
 template <int B>
 void panel_rows(const Panel& f, const int32_t* xp, int64_t m, int64_t k, c10::BFloat16* y, int64_t n_out) {
-  using Fn = void (*)(const Panel&, const int32_t*, int64_t, c10::BFloat16*, int64_t, float*);
-  static constexpr Fn fns[kPanelRows] = {panel_tile<1, B>, panel_tile<2, B>, panel_tile<3, B>,
-                                         panel_tile<4, B>, panel_tile<5, B>, panel_tile<6, B>};
+  using Fn = void (*)(const Panel&, const int32_t*, int64_t, c10::BFloat16*, int64_t, int64_t, float*);
+  static constexpr Fn fns[kPanelRows] = {tile<Panel, 1, B>, tile<Panel, 2, B>, tile<Panel, 3, B>,
+                                         tile<Panel, 4, B>, tile<Panel, 5, B>, tile<Panel, 6, B>};
   alignas(64) float total[kPanelRows * B * kLanes];
   for (int64_t r0 = 0; r0 < m; r0 += kPanelRows) {
     const int64_t r = std::min<int64_t>(kPanelRows, m - r0);
-    fns[r - 1](f, xp + r0 * (k / 2), k, y + r0 * n_out, n_out, total);
+    fns[r - 1](f, xp + r0 * (k / 2), k, y + r0 * n_out, n_out, f.block0, total);
   }
 }
 
