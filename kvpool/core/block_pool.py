@@ -254,6 +254,42 @@ class BlockPool:
                 if stored is not None:
                     stored.append(h)
 
+    def cache_received(self, hits: Sequence[int], hashes: Sequence[BlockHash], salt: str | None = None) -> None:
+        """Blocks computed elsewhere and named `hashes` land in the cache after the cached blocks
+        `hits` (their prefix), leaving the pool exactly as a sequence holding them would
+        (core/receive.py): `incref_all(hits)`, `allocate(len(hashes) + 1)`, `register_many` of
+        all but the last new block, then `release` of the whole table, last block first. One pass
+        over the new blocks instead of four: the same blocks taken, the same victims and events,
+        the same eviction order; only the reference counts' round trip is skipped."""
+        ref, tokens, current, salts = self.ref_counts, self.block_tokens, self.block_hashes, self.block_salts
+        idle = [b for b in dict.fromkeys(hits) if ref[b] == 0]  # a content named twice is one block
+        self._evictable.remove_many(idle)  # in use while the new blocks are taken: never a victim
+        fresh = self._take(len(hashes) + 1)  # none has a hash: free, or evicted just now
+        last = fresh.pop()  # the block of the token after the prompt: freed again
+        setdefault = self._cached.setdefault
+        B = self.block_size
+        duplicates = 0
+        for b, h in zip(fresh, hashes, strict=True):
+            if setdefault(h, b) is b:
+                current[b] = h
+                salts[b] = salt
+                tokens[b] = B
+            else:  # another block holds this content: this one is freed
+                tokens[b] = 0
+                duplicates += 1
+        tokens[last] = 0
+        free = self._free
+        free.append(last)
+        kept = fresh
+        if duplicates:
+            free += [b for b in reversed(fresh) if current[b] is None]
+            kept = [b for b in fresh if current[b] is not None]
+        if self.events is not None:
+            self.events.stored += map(current.__getitem__, kept) if duplicates else hashes
+        kept.reverse()
+        kept += reversed(idle)
+        self._evictable.insert_new(kept)
+
     def unregister(self, block_ids: Sequence[int]) -> int:
         """Take blocks out of the prefix cache: their KV is not what their hash names (a rewind,
         core/rewind.py). One in use stays in use; a cached one (ref_count 0) becomes free. No

@@ -3,9 +3,10 @@ lands in a manager's prefix cache, as a KV connector stores it: a sequence holdi
 allocated (the prompt plus one token: every allocation leaves its last token to compute), its full
 blocks committed, and freed, so they stay cached (evictable) in the manager's own order.
 
-Measured (2026-12-04, docs/performance.md): a one-pass version of these three calls in the block
-pool left the same state but no faster run; the cost is the evictions and hash-map updates the
-blocks need either way.
+One full-attention layer group without a miss ledger (every simulated full-attention model) takes
+the pool's one-pass `cache_received`, which leaves the same state as those three calls (tests/core
+compare them): a block received cost 475 ns that way and 345 ns this way, on the conversation
+trace's decode instances (a fifth of a whole-trace run).
 """
 
 from __future__ import annotations
@@ -24,8 +25,18 @@ def receive(kv: KVCacheManager, hashes: Sequence[BlockHash]) -> int:
     n = len(hashes)
     if n == 0 or n + 1 > kv.num_free_blocks:
         return 0
-    tokens = range(n * kv.block_size + 1)  # only its length is read: every full block's hash is given
+    B = kv.block_size
+    if kv.num_groups == 1 and not kv.windowed and kv.enable_prefix_caching and kv.ledger is None:
+        hits = kv.pool.lookup_run(hashes, n)
+        kv.pool.cache_received(hits, hashes[len(hits):])
+        st = kv.stats  # as allocating n * B + 1 tokens with this hit counts it
+        st.queries_tokens += n * B + 1
+        st.hits_tokens += len(hits) * B
+        st.queries_blocks += n
+        st.hits_blocks += len(hits)
+        return n
+    tokens = range(n * B + 1)  # only its length is read: every full block's hash is given
     kv.allocate(RECEIVER_SEQ_ID, tokens, block_hashes=hashes)
-    kv.commit(RECEIVER_SEQ_ID, tokens, n * kv.block_size)
+    kv.commit(RECEIVER_SEQ_ID, tokens, n * B)
     kv.free(RECEIVER_SEQ_ID)
     return n
