@@ -100,6 +100,23 @@ def test_cached_blocks_are_evicted_lru_only_when_memory_is_needed():
     assert kv.match_prefix(kv.prompt_hashes(list(range(100, 108)) + [0]), 9).num_tokens == 8
 
 
+def test_a_table_made_of_evicted_blocks_takes_them_in_id_order():
+    """The policy picks the victims; their ids go to the new table ascending, so a long run keeps
+    each table's blocks neighbours in memory (in LRU order they scatter: a freed table goes into
+    the order tail first, and tables freed in turn interleave)."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    for sid, base in ((0, 0), (1, 100)):
+        toks = list(range(base, base + 16))
+        kv.allocate(sid, toks)
+        kv.commit(sid, toks, 16)
+    assert kv.block_table(0) == [0, 1, 2, 3] and kv.block_table(1) == [4, 5, 6, 7]
+    kv.free(1)
+    kv.free(0)  # LRU order now 7, 6, 5, 4, 3, 2, 1, 0
+    kv.allocate(2, list(range(500, 520)))  # 5 blocks, all evicted: sequence 1's four, then block 3
+    assert kv.block_table(2) == [3, 4, 5, 6, 7]
+    assert kv.match_prefix(kv.prompt_hashes(list(range(12)) + [0]), 13).num_tokens == 12  # blocks 0-2 kept
+
+
 def test_lfu_keeps_the_popular_prefix():
     kv = KVCacheManager(num_blocks=4, block_size=4, eviction_policy="lfu")
     hot, cold = list(range(4)), list(range(100, 104))
