@@ -97,7 +97,7 @@ class BlockPool:
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_tokens: list[int] = [0] * num_blocks  # slots holding (or reserved for) a token
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
-        self.block_salts: list[str | None] = [None] * num_blocks  # the cache_salt a hashed block was registered under
+        self.block_salts: dict[int, str] = {}  # the cache_salt of each hashed block registered under one
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields block 0 first
         self._evictable: EvictionPolicy = make_policy(eviction_policy, num_blocks)
         self._cached: dict[BlockHash, int] = {}
@@ -141,10 +141,11 @@ class BlockPool:
         return list(self._cached.items())
 
     # -- mutations -------------------------------------------------------------------------
-    def allocate(self, n: int, num_tokens: int = 0) -> list[int]:
+    def allocate(self, n: int, num_tokens: int = 0, *, by_id: bool = True) -> list[int]:
         """Take `n` blocks at ref_count 1, free ones first, then evicting cached blocks in
-        policy order. They hold `num_tokens` tokens, `block_size` per block from the first."""
-        out = self._take(n)
+        policy order (handed out by id, or in eviction order without `by_id`: as `n` calls for
+        one block each would). They hold `num_tokens` tokens, `block_size` per block from the first."""
+        out = self._take(n, by_id)
         ref, tokens = self.ref_counts, self.block_tokens
         B, left = self.block_size, num_tokens
         for b in out:
@@ -154,9 +155,9 @@ class BlockPool:
         self._tokens_in_use += num_tokens - left
         return out
 
-    def _take(self, n: int) -> list[int]:
+    def _take(self, n: int, by_id: bool = True) -> list[int]:
         """`n` blocks out of the free list (in pop() order), then evicted in policy order and
-        handed out in id order. Which blocks are evicted is the policy's; which id holds which
+        handed out in id order (`by_id`). Which blocks are evicted is the policy's; which id holds which
         position of a table is nobody's, and ids in order keep a table's blocks neighbours in
         every per-block list: in LRU order they scatter as the run goes on (a victim batch's
         runs of consecutive ids fell from 22 to 3 blocks over three copies of the conversation
@@ -171,7 +172,8 @@ class BlockPool:
         if take < n:
             ret = self.retention
             retained = None if ret is None else ret.pick(self._evictable, n - take, self.block_hashes)
-            out.extend(sorted(self._evict(n - take, retained)))
+            victims = self._evict(n - take, retained)
+            out.extend(sorted(victims) if by_id else victims)
             self.num_evictions += n - take
         return out
 
@@ -238,7 +240,8 @@ class BlockPool:
         if current is not None or block_hash in self._cached:
             return current == block_hash
         self.block_hashes[block_id] = block_hash
-        self.block_salts[block_id] = salt
+        if salt is not None:
+            self.block_salts[block_id] = salt
         self._cached[block_hash] = block_id
         if self.events is not None:
             self.events.stored.append(block_hash)
@@ -255,7 +258,8 @@ class BlockPool:
             # an unregistered block is in no entry, so setdefault returns b only if h was new
             if current[b] is None and setdefault(h, b) is b:
                 current[b] = h
-                salts[b] = salt
+                if salt is not None:
+                    salts[b] = salt
                 if stored is not None:
                     stored.append(h)
 
@@ -277,7 +281,8 @@ class BlockPool:
         for b, h in zip(fresh, hashes, strict=True):
             if setdefault(h, b) is b:
                 current[b] = h
-                salts[b] = salt
+                if salt is not None:
+                    salts[b] = salt
                 tokens[b] = B
             else:  # another block holds this content: this one is freed
                 tokens[b] = 0
@@ -307,7 +312,7 @@ class BlockPool:
         for b in dropped:
             del self._cached[hashes[b]]
             hashes[b] = None
-            self.block_salts[b] = None
+            self.block_salts.pop(b, None)
         for b in idle:
             tokens[b] = 0
         self._free.extend(idle)
@@ -330,12 +335,13 @@ class BlockPool:
         """Drop the cached blocks not in use whose salt `owned` accepts (one tenant's prefix-cache
         reset: it must not touch, or count, any other tenant's blocks); return how many."""
         ref, hashes, salts = self.ref_counts, self.block_hashes, self.block_salts
-        victims = [b for b in range(self.num_blocks) if ref[b] == 0 and hashes[b] is not None and owned(salts[b])]
+        victims = [b for b in range(self.num_blocks) if ref[b] == 0 and hashes[b] is not None and owned(salts.get(b))]
         self._evictable.remove_many(victims)
         evicted = [hashes[b] for b in victims]
         for b, h in zip(victims, evicted, strict=True):
             del self._cached[h]
             hashes[b] = None
+            salts.pop(b, None)
             self.block_tokens[b] = 0
         self._free.extend(victims)
         if self.events is not None:
@@ -368,6 +374,9 @@ class BlockPool:
         for b, h in zip(victims, hashes, strict=True):  # one pass while their entries are in cache
             current[b] = None
             del cached[h]
+        if self.block_salts:  # only a tenant's blocks have one
+            for b in victims:
+                self.block_salts.pop(b, None)
         if self.events is not None:
             self.events.evicted.extend(hashes)
             self.events.evicted_block_ids.extend(victims)

@@ -51,7 +51,7 @@ def leap_slots(kv: KVCacheManager, seq_ids: Sequence[int], token_lists: Sequence
         lookup = pool.lookup
         if len(set(keys)) < len(keys) or any(lookup(k) is not None for k in keys):
             return False
-    blocks = pool.allocate(len(opens))
+    blocks = pool.allocate(len(opens), by_id=False)  # the victims in order, as a block a step takes them
     tables = [e.tables[0] for e in entries]
     for event, block in zip(opens, blocks, strict=True):
         tables[event % b].append(block)
