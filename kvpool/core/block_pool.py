@@ -157,11 +157,12 @@ class BlockPool:
 
     def _take(self, n: int, by_id: bool = True) -> list[int]:
         """`n` blocks out of the free list (in pop() order), then evicted in policy order and
-        handed out in id order (`by_id`). Which blocks are evicted is the policy's; which id holds which
-        position of a table is nobody's, and ids in order keep a table's blocks neighbours in
-        every per-block list: in LRU order they scatter as the run goes on (a victim batch's
-        runs of consecutive ids fell from 22 to 3 blocks over three copies of the conversation
-        trace, and each copy took ~10% longer than the one before; sorted, the copies cost the same)."""
+        handed out in id order (`by_id`). Which blocks are evicted is the policy's; which id
+        holds which position of a table is nobody's, and ids in order keep a table's blocks
+        neighbours in every per-block list. In eviction order they scatter as a run goes on: a
+        victim batch's runs of consecutive ids fell from 22 to 3 blocks over three copies of the
+        conversation trace, and each copy took ~10% longer than the one before; in id order the
+        copies cost the same."""
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} KV blocks, only {self.num_free} of {self.num_blocks} are free")
         free = self._free
@@ -263,14 +264,15 @@ class BlockPool:
                 if stored is not None:
                     stored.append(h)
 
-    def cache_received(self, hits: Sequence[int], hashes: Sequence[BlockHash], salt: str | None = None) -> None:
+    def cache_received(self, hits: Sequence[int], hashes: Sequence[BlockHash]) -> None:
         """Blocks computed elsewhere and named `hashes` land in the cache after the cached blocks
         `hits` (their prefix), leaving the pool exactly as a sequence holding them would
         (core/receive.py): `incref_all(hits)`, `allocate(len(hashes) + 1)`, `register_many` of
         all but the last new block, then `release` of the whole table, last block first. One pass
         over the new blocks instead of four: the same blocks taken, the same victims and events,
-        the same eviction order; only the reference counts' round trip is skipped."""
-        ref, tokens, current, salts = self.ref_counts, self.block_tokens, self.block_hashes, self.block_salts
+        the same eviction order; only the reference counts' round trip is skipped. Received blocks
+        carry no cache salt (the salt is in their hashes already)."""
+        ref, tokens, current = self.ref_counts, self.block_tokens, self.block_hashes
         idle = [b for b in dict.fromkeys(hits) if ref[b] == 0]  # a content named twice is one block
         self._evictable.remove_many(idle)  # in use while the new blocks are taken: never a victim
         fresh = self._take(len(hashes) + 1)  # none has a hash: free, or evicted just now
@@ -281,8 +283,6 @@ class BlockPool:
         for b, h in zip(fresh, hashes, strict=True):
             if setdefault(h, b) is b:
                 current[b] = h
-                if salt is not None:
-                    salts[b] = salt
                 tokens[b] = B
             else:  # another block holds this content: this one is freed
                 tokens[b] = 0
