@@ -157,12 +157,10 @@ class BlockPool:
 
     def _take(self, n: int, by_id: bool = True) -> list[int]:
         """`n` blocks out of the free list (in pop() order), then evicted in policy order and
-        handed out in id order (`by_id`). Which blocks are evicted is the policy's; which id
-        holds which position of a table is nobody's, and ids in order keep a table's blocks
-        neighbours in every per-block list. In eviction order they scatter as a run goes on: a
-        victim batch's runs of consecutive ids fell from 22 to 3 blocks over three copies of the
-        conversation trace, and each copy took ~10% longer than the one before; in id order the
-        copies cost the same."""
+        handed out in id order (`by_id`). The policy picks the victims; which id holds which
+        table position is nobody's, and ids in order keep a table's blocks neighbours in every
+        per-block list (in eviction order they scatter as a run goes on, and a long simulation
+        slowed down copy after copy: docs/performance.md, 2026-12-05 21:22)."""
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} KV blocks, only {self.num_free} of {self.num_blocks} are free")
         free = self._free

@@ -229,11 +229,7 @@ class KVCacheManager:
                 tables.append(pool.allocate(-(-end // B), end))
         dead = [t.count(NO_BLOCK) for t in tables] if self.windowed else [0] * len(tables)
         self.seqs[seq_id] = SeqBlocks(tables, num_tokens, cache_salt, list(block_hashes), num_hit, dead=dead)
-        st = self.stats
-        st.queries_tokens += num_tokens
-        st.hits_tokens += cached
-        st.queries_blocks += num_tokens // B
-        st.hits_blocks += num_hit
+        self.stats.count(num_tokens, cached, B)
         return cached
 
     def reserve(self, seq_id: int, end: int) -> None:

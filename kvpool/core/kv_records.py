@@ -46,6 +46,13 @@ class PrefixCacheStats:
     queries_blocks: int = 0
     hits_blocks: int = 0
 
+    def count(self, num_tokens: int, cached_tokens: int, block_size: int) -> None:
+        """One allocation of `num_tokens` tokens whose first `cached_tokens` were cached."""
+        self.queries_tokens += num_tokens
+        self.hits_tokens += cached_tokens
+        self.queries_blocks += num_tokens // block_size
+        self.hits_blocks += cached_tokens // block_size
+
     @property
     def hit_rate(self) -> float:
         return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0

@@ -29,11 +29,7 @@ def receive(kv: KVCacheManager, hashes: Sequence[BlockHash]) -> int:
     if kv.num_groups == 1 and not kv.windowed and kv.enable_prefix_caching and kv.ledger is None:
         hits = kv.pool.lookup_run(hashes, n)
         kv.pool.cache_received(hits, hashes[len(hits):])
-        st = kv.stats  # as allocating n * B + 1 tokens with this hit counts it
-        st.queries_tokens += n * B + 1
-        st.hits_tokens += len(hits) * B
-        st.queries_blocks += n
-        st.hits_blocks += len(hits)
+        kv.stats.count(n * B + 1, len(hits) * B, B)  # as allocating the receiving sequence counts it
         return n
     tokens = range(n * B + 1)  # only its length is read: every full block's hash is given
     kv.allocate(RECEIVER_SEQ_ID, tokens, block_hashes=hashes)
