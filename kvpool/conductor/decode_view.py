@@ -16,7 +16,6 @@ entries.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass
 from operator import itemgetter
@@ -87,7 +86,7 @@ class DecodeView:
     def committed(self) -> DecodeLoad:
         """Every request running on or promised to this instance: a tracked request counts
         until the driver reports it done, whatever its predicted finish."""
-        return self._alive(math.inf, -math.inf)
+        return self._plus_untracked(self.tracked, self._ctx_sum, self._blocks_sum)
 
     def load_at(self, t: float) -> DecodeLoad:
         """Requests predicted to be decoding on this instance at time `t`."""
@@ -99,9 +98,12 @@ class DecodeView:
         not_started = self._starts[bisect_right(self._starts, started_by, key=_time):]
         finished = self._finishes[: bisect_right(self._finishes, t, key=_time)]
         out = not_started + finished
-        n = self.tracked - len(out)
-        ctx = self._ctx_sum - sum(c for _, c, _ in out)
-        blocks = self._blocks_sum - sum(b for _, _, b in out)
+        return self._plus_untracked(self.tracked - len(out), self._ctx_sum - sum(c for _, c, _ in out),
+                                    self._blocks_sum - sum(b for _, _, b in out))
+
+    def _plus_untracked(self, n: int, ctx: int, blocks: int) -> DecodeLoad:
+        """`n` tracked requests holding `ctx` context tokens and `blocks` KV blocks, plus the
+        untracked ones' share of what the instance reports."""
         share = self._untracked_share()
         return DecodeLoad(
             requests=self._untracked + n,

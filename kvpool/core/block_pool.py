@@ -368,7 +368,7 @@ class BlockPool:
         if victims is None:
             victims = self._evictable.pop_victims(n)
         current, cached = self.block_hashes, self._cached
-        hashes = [current[b] for b in victims]
+        hashes = list(map(current.__getitem__, victims))
         for b, h in zip(victims, hashes, strict=True):  # one pass while their entries are in cache
             current[b] = None
             del cached[h]
