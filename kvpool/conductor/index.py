@@ -5,6 +5,9 @@ pseudo-instance `POOL`). A block is identified by its chained hash, so a block h
 instance implies nothing about its parent: `prefix_match` therefore counts, per instance,
 only the blocks it holds contiguously from block 0, which is what a prefill can reuse.
 
+A driver in the instances' own process (the simulator) may instead let the index `watch` each
+instance's cache: a live view of the hashes it holds, read where a replayed copy would be kept.
+
 A stored block's event may carry its retention on that instance (core/retention.py: a pin, a
 cache_control TTL, a priority), in the conductor's clock; the index keeps it while the instance
 holds the block and counts it only while live (`until > now`), so routing never counts on a
@@ -14,6 +17,7 @@ retention that has run out (`retained_match`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from itertools import takewhile
 
 from kvpool.core.hashing import BlockHash
@@ -27,27 +31,39 @@ class GlobalKVIndex:
     (a long prompt), so storing and evicting are whole-set operations; a prefix match walks
     only the instances holding block 0, each as far as it matches."""
 
-    __slots__ = ("_held", "_retained")
+    __slots__ = ("_held", "_retained", "_watched")
 
     def __init__(self) -> None:
-        self._held: dict[str, set[BlockHash]] = {}
+        self._held: dict[str, AbstractSet[BlockHash]] = {}  # a set of replayed events, or a watched view
         self._retained: dict[str, dict[BlockHash, Retention]] = {}  # of held blocks only
+        self._watched: set[str] = set()
+
+    def watch(self, instance_id: str, held: AbstractSet[BlockHash]) -> None:
+        """Read what `instance_id` holds from `held`, a live view of its cache, instead of replaying
+        its stored and evicted events (its retention events still count). Exact for a driver that
+        delivers every instance's events before the next query, as the simulator does, and exact
+        where a replay is not (a block evicted and registered again between two drains is in both
+        lists, which lose their order). It saves a second copy of every instance's hash table and
+        the set updates that keep it: ~1 s of a 22 s trace-length simulation."""
+        self._held[instance_id] = held
+        self._watched.add(instance_id)
 
     def on_stored(self, instance_id: str, hashes: Iterable[BlockHash]) -> None:
         """`instance_id` now holds these blocks (re-storing a held block is a no-op)."""
-        self._held.setdefault(instance_id, set()).update(hashes)
+        if instance_id not in self._watched:
+            self._held.setdefault(instance_id, set()).update(hashes)  # type: ignore[attr-defined]
 
     def on_evicted(self, instance_id: str, hashes: Iterable[BlockHash]) -> None:
         """`instance_id` dropped these blocks; unknown blocks are ignored (events may race)."""
-        held = self._held.get(instance_id)
-        if not held:
-            return
         hashes = list(hashes)
-        held.difference_update(hashes)
         retained = self._retained.get(instance_id)
         if retained:
             for h in hashes:
                 retained.pop(h, None)
+        held = self._held.get(instance_id)
+        if not held or instance_id in self._watched:  # a watched view has dropped them already
+            return
+        held.difference_update(hashes)  # type: ignore[attr-defined]
         if not held:
             del self._held[instance_id]
             self._retained.pop(instance_id, None)
@@ -69,6 +85,7 @@ class GlobalKVIndex:
         """Forget everything `instance_id` held: its memory is gone or unreachable."""
         self._held.pop(instance_id, None)
         self._retained.pop(instance_id, None)
+        self._watched.discard(instance_id)
 
     def prefix_match(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """For each instance holding block 0, how many leading blocks it holds contiguously.

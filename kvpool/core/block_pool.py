@@ -16,7 +16,7 @@ read-only `Block` snapshots for inspection.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice, takewhile
@@ -139,6 +139,10 @@ class BlockPool:
 
     def cached_items(self) -> list[tuple[BlockHash, int]]:
         return list(self._cached.items())
+
+    def cached_hashes(self) -> KeysView[BlockHash]:
+        """The hashes of every block cached now, in use or not: a live, read-only view."""
+        return self._cached.keys()
 
     # -- mutations -------------------------------------------------------------------------
     def allocate(self, n: int, num_tokens: int = 0, *, by_id: bool = True) -> list[int]:

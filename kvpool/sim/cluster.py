@@ -5,8 +5,10 @@ Life of a request (disaggregated): arrival -> `conductor.route` (accept or rejec
 optional pull of cached blocks from another instance or the pool (network time) -> prefill
 on the chosen instance (its own prefix cache, max_tokens=1: the first token) -> the decode
 instance accepts it or rejects it (prefill wasted) -> KV transfer (network time) -> decode
-on the chosen instance. KV events from every instance (and the pool) feed
-`conductor.index`; every instance reports its load after each step.
+on the chosen instance. `conductor.index` reads every instance's (and the pool's) cache as it
+is (`GlobalKVIndex.watch`), which is what replaying their KV events in order would give: they are
+drained before the next route. Their retention events feed it; every instance reports its load
+after each step.
 
 Events are processed in (time, sequence number) order, so a run is deterministic.
 
@@ -128,6 +130,13 @@ class SimCluster:
         self.conductor = Conductor(list(self.prefill), list(self.decode), self.predictor, config.conductor)
         self.pool = (KVCacheManager(config.pool_blocks, sc.block_size, namespace=sc.namespace, record_events=True)
                      if config.pool_blocks else None)
+        # the caches as they are: replaying their events, which lose the order between a block's
+        # eviction and its registration again, dropped blocks they held
+        caches = {iid: inst.sched.kv for iid, inst in self.instances.items()}
+        if self.pool is not None:
+            caches[POOL] = self.pool
+        for iid, kv in caches.items():
+            self.conductor.index.watch(iid, kv.pool.cached_hashes())
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self._busy: set[str] = set()
