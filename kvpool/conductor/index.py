@@ -40,11 +40,12 @@ class GlobalKVIndex:
 
     def watch(self, instance_id: str, held: AbstractSet[BlockHash]) -> None:
         """Read what `instance_id` holds from `held`, a live view of its cache, instead of replaying
-        its stored and evicted events (its retention events still count). Exact for a driver that
-        delivers every instance's events before the next query, as the simulator does, and exact
-        where a replay is not (a block evicted and registered again between two drains is in both
-        lists, which lose their order). It saves a second copy of every instance's hash table and
-        the set updates that keep it: ~1 s of a 22 s trace-length simulation."""
+        its stored and evicted events (its retention events still count). For a driver that
+        delivers every instance's events before the next query, as the simulator does, the view is
+        what replaying them in order would give; the two lists lose that order (a block evicted and
+        registered again between two drains is in both), so replaying them can drop a block the
+        cache holds. It also saves a second copy of every instance's hash table and the set
+        updates that keep it: ~1.5 s of a 23 s trace-length simulation."""
         self._held[instance_id] = held
         self._watched.add(instance_id)
 
@@ -55,15 +56,21 @@ class GlobalKVIndex:
 
     def on_evicted(self, instance_id: str, hashes: Iterable[BlockHash]) -> None:
         """`instance_id` dropped these blocks; unknown blocks are ignored (events may race)."""
-        hashes = list(hashes)
+        held = self._held.get(instance_id)
         retained = self._retained.get(instance_id)
+        if instance_id in self._watched:  # its view has dropped them, unless one was stored again since
+            if retained:
+                for h in hashes:
+                    if h not in held:  # type: ignore[operator]
+                        retained.pop(h, None)
+            return
+        if not held:
+            return
+        hashes = list(hashes)
+        held.difference_update(hashes)  # type: ignore[attr-defined]
         if retained:
             for h in hashes:
                 retained.pop(h, None)
-        held = self._held.get(instance_id)
-        if not held or instance_id in self._watched:  # a watched view has dropped them already
-            return
-        held.difference_update(hashes)  # type: ignore[attr-defined]
         if not held:
             del self._held[instance_id]
             self._retained.pop(instance_id, None)

@@ -119,6 +119,8 @@ def test_a_watched_instance_still_reports_retention_and_forgets_it_on_eviction()
     index.on_evicted("p0", [HASHES[1]])
     assert index.retained_match(HASHES[:3], now=5.0) == {"p0": 1}
     assert index.num_retained("p0", now=5.0) == 1
+    index.on_evicted("p0", [HASHES[0]])  # evicted, then stored again before the drain: still held
+    assert index.retained_match(HASHES[:3], now=5.0) == {"p0": 1}
 
 
 def test_an_instance_down_is_no_longer_watched():
