@@ -75,20 +75,28 @@ class KVEventLog:
 
     def since(self, cursor: int, now: float) -> dict[str, Any]:
         """Events after `cursor`, or a snapshot when the log does not reach back that far;
-        retention TTLs as left at `now` (the engine's clock)."""
+        retention TTLs as left at `now` (the engine's clock). A block is listed once, as its
+        last event after `cursor` left it: the two lists carry no order, and a poller that is
+        several drains behind (a lost answer, another poller) must read a block evicted and then
+        stored again as held."""
         oldest = self._log[0][0] if self._log else self.cursor + 1
         if cursor <= 0 or cursor > self.cursor or cursor + 1 < oldest:
             return {"snapshot": True, "stored": [h.hex() for h in self.held], "evicted": [],
                     "retention": {h.hex(): _wire(r, now) for h, r in self.retained.items()}}
-        lists: dict[str, list[bytes]] = {"stored": [], "evicted": [], "retention": []}
+        last: dict[bytes, str] = {}  # each block's last stored or evicted event
+        retention: list[bytes] = []
         for n, kind, h in self._log:
             if n > cursor:
-                lists[kind].append(h)
+                if kind == "retention":
+                    retention.append(h)
+                else:
+                    last[h] = kind
+        stored = [h for h, kind in last.items() if kind == "stored"]
         retained = self.retained
-        wire = {h.hex(): _wire(retained[h], now) for h in lists["stored"] if h in retained}
-        wire.update((h.hex(), _wire(retained.get(h), now)) for h in lists["retention"] if h in self.held)
-        return {"snapshot": False, "stored": [h.hex() for h in lists["stored"]],
-                "evicted": [h.hex() for h in lists["evicted"]], "retention": wire}
+        wire = {h.hex(): _wire(retained[h], now) for h in stored if h in retained}
+        wire.update((h.hex(), _wire(retained.get(h), now)) for h in retention if h in self.held)
+        return {"snapshot": False, "stored": [h.hex() for h in stored],
+                "evicted": [h.hex() for h, kind in last.items() if kind == "evicted"], "retention": wire}
 
 
 def _wire(r: Retention | None, now: float) -> dict[str, Any] | None:
