@@ -128,8 +128,7 @@ class SimCluster:
         self.instances = {**self.prefill, **self.decode}
         self.predictor = predictor or CostModelPredictor(cost_model)
         self.conductor = Conductor(list(self.prefill), list(self.decode), self.predictor, config.conductor)
-        self.pool = (KVCacheManager(config.pool_blocks, sc.block_size, namespace=sc.namespace, record_events=True)
-                     if config.pool_blocks else None)
+        self.pool = KVCacheManager(config.pool_blocks, sc.block_size, namespace=sc.namespace) if config.pool_blocks else None
         # the caches as they are: replaying their events, which lose the order between a block's
         # eviction and its registration again, dropped blocks they held
         caches = {iid: inst.sched.kv for iid, inst in self.instances.items()}
@@ -326,10 +325,7 @@ class SimCluster:
         """Prefill done: the decode instance takes the request (KV transfer) or refuses it."""
         req = flight.req
         if self.pool is not None and flight.hashes:
-            receive(self.pool, flight.hashes)
-            ev = self.pool.drain_events()
-            self.conductor.index.on_stored(POOL, ev.stored)
-            self.conductor.index.on_evicted(POOL, ev.evicted)
+            receive(self.pool, flight.hashes)  # the index watches the pool: no events to drain
         dec = self.decode[flight.decode_id]
         if not decode_accepts(dec.sched, req.prompt_len, req.output_len, self.config.conductor.tbt_slo_s,
                               self.predictor.decode_step_time):
@@ -349,9 +345,7 @@ class SimCluster:
     def _drain(self, inst: SimInstance) -> None:
         if not inst.sched.kv.pool.has_events:
             return
-        ev = inst.sched.kv.drain_events()
-        if ev.stored:
-            self.conductor.index.on_stored(inst.instance_id, ev.stored)
+        ev = inst.sched.kv.drain_events()  # the index watches the cache: retention, and evictions ending one, are news to it
         if ev.retention:  # in virtual time, the conductor's clock
             self.conductor.index.on_retention(inst.instance_id, ev.retention)
         if ev.evicted:
